@@ -1,0 +1,289 @@
+"""Configuration of the Dual Attention Transformer (DAT) model family.
+
+`DualAttentionConfig` holds the fields shared by every DAT model (dual attention, symbols, relational biases,
+feed-forward, norms, positions) and validates them at construction; `DATConfig` is the causal language model's
+config (`model_type="dat"`). Vision and seq2seq configs subclass `DualAttentionConfig` too.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
+POSITION_EMBEDDINGS = ("rope", "learned", "none")
+NORM_TYPES = ("layernorm", "rmsnorm")
+RELATION_ACTIVATIONS = ("identity", "relu", "gelu", "gelu_pytorch_tanh", "silu", "sigmoid", "tanh")
+MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_pytorch_tanh", "relu", "silu", "tanh", "sigmoid")
+# Relational inductive biases (attention graphs). "bidirectional" variants only make sense in encoders.
+RELATIONAL_BIASES = ("full", "causal", "sliding_window", "sliding_window_bidirectional", "sparse", "graph")
+CAUSAL_BIASES = ("causal", "sliding_window", "sparse", "graph")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
+
+
+def _check_positive(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+def _check_probability(name, value):
+    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+        raise ValueError(f"`{name}` must be a probability in [0, 1), got {value!r}.")
+
+
+@strict(accept_kwargs=True)
+class DualAttentionConfig(PreTrainedConfig):
+    r"""Fields shared by every DAT model. Dimensions follow the paper:
+
+    - each layer has `num_sensory_heads` self-attention heads and `num_relational_heads` relational heads, all of
+      dimension `head_dim = hidden_size // (num_sensory_heads + num_relational_heads)`;
+    - relational heads send `sum_j a_ij (r(x_i, x_j) W_r + s_j W_s)` where `r` has `num_relations` components, each an
+      inner product of `relation_dim`-dimensional projections (`num_relations * relation_dim ==
+      num_relational_heads * head_dim`), and `s_j` is the sender's symbol from `symbol_retrieval`.
+
+    Args:
+        hidden_size: model width `d`.
+        num_hidden_layers: number of dual-attention blocks.
+        num_sensory_heads / num_relational_heads: heads of each kind per layer (either may be 0, not both).
+        num_sensory_key_value_heads / num_relational_key_value_heads: grouped-query attention (None = MHA).
+        num_relations: components of the relation vector `r(x_i, x_j)` (None = `num_relational_heads`).
+        relation_dim: dimension of each relation's query/key projection (None = derived).
+        relation_activation: activation applied to relations (`identity` allows the fused kernel path).
+        symmetric_relations: share the relation query and key projections (`r(x, y) = r(y, x)`).
+        share_attention_params: sensory and relational heads share their attention query/key projections.
+        symbol_retrieval: `symbolic_attention`, `positional` or `position_relative`.
+        num_symbols / symbolic_attention_heads / symbolic_attention_scale / trainable_symbols: symbolic attention.
+        max_relative_position: clipping distance of position-relative symbols.
+        max_symbol_positions: size of the positional symbol library (None = `max_position_embeddings`).
+        shared_symbol_retriever: one symbol retriever for all layers (else one per layer).
+        tie_symbol_library: with per-layer retrievers, share the symbol library (symbolic attention/positional).
+        intermediate_size / hidden_act: feed-forward width and activation (`swiglu` is gated).
+        norm_type / norm_eps / pre_norm: normalization kind, epsilon, pre-norm (True) or post-norm.
+        position_embedding_type / rope_theta / max_position_embeddings: positions.
+        relational_bias: attention graph of every head (a string, or one string per layer).
+        relational_heads_bias: optional override of the graph for relational heads only.
+        sliding_window_size: window `p` of the `sliding_window*` biases (a token sees `p` previous tokens and itself).
+        sparse_block_size / sparse_global_tokens / sparse_edges: the fixed `sparse` graph (local blocks plus global
+            tokens, or an explicit list of `[receiver, sender]` edges).
+        attention_dropout / hidden_dropout / embedding_dropout / symbol_dropout: dropout rates (training only).
+        attention_bias / attention_out_bias / mlp_bias: bias of key/value projections, of attention output
+            projections, and of feed-forward layers.
+    """
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_sensory_heads: int = 4
+    num_relational_heads: int = 4
+    num_sensory_key_value_heads: int | None = None
+    num_relational_key_value_heads: int | None = None
+    num_relations: int | None = None
+    relation_dim: int | None = None
+    relation_activation: str = "identity"
+    symmetric_relations: bool = False
+    share_attention_params: bool = False
+    symbol_retrieval: str = "symbolic_attention"
+    num_symbols: int = 64
+    symbolic_attention_heads: int = 4
+    symbolic_attention_scale: float | None = None
+    trainable_symbols: bool = True
+    max_relative_position: int = 64
+    max_symbol_positions: int | None = None
+    shared_symbol_retriever: bool = True
+    tie_symbol_library: bool = False
+    intermediate_size: int | None = None
+    hidden_act: str = "swiglu"
+    norm_type: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    pre_norm: bool = True
+    position_embedding_type: str = "rope"
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 1024
+    relational_bias: str | list[str] = "causal"
+    relational_heads_bias: str | list[str] | None = None
+    sliding_window_size: int | None = None
+    sparse_block_size: int | None = None
+    sparse_global_tokens: int = 0
+    sparse_edges: list[list[int]] | None = None
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    embedding_dropout: float = 0.0
+    symbol_dropout: float = 0.0
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    initializer_range: float = 0.02
+
+    # biases a model of this config accepts (causal LMs narrow it to CAUSAL_BIASES)
+    allowed_relational_biases = RELATIONAL_BIASES
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None and isinstance(self.hidden_size, int):
+            # the reference's default: 4d, or 2/3 of it for the gated swiglu
+            self.intermediate_size = int(2 / 3 * 4 * self.hidden_size) if self.hidden_act == "swiglu" else 4 * self.hidden_size
+        self.validate_dual_attention()
+        super().__post_init__(**kwargs)
+
+    # ---- derived sizes -------------------------------------------------------------------------------------------
+    @property
+    def num_attention_heads(self) -> int:
+        return self.num_sensory_heads + self.num_relational_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def sensory_kv_heads(self) -> int:
+        return self.num_sensory_key_value_heads or self.num_sensory_heads
+
+    @property
+    def relational_kv_heads(self) -> int:
+        return self.num_relational_key_value_heads or self.num_relational_heads
+
+    @property
+    def relations(self) -> int:
+        return self.num_relations or self.num_relational_heads
+
+    @property
+    def relation_head_dim(self) -> int:
+        if self.relation_dim is not None:
+            return self.relation_dim
+        return self.head_dim * self.num_relational_heads // max(self.relations, 1)
+
+    def layer_bias(self, layer_idx: int, relational: bool) -> str:
+        """The relational bias (attention graph) of one layer's sensory or relational heads."""
+        bias = self.relational_heads_bias if relational and self.relational_heads_bias is not None else self.relational_bias
+        return bias[layer_idx] if isinstance(bias, list) else bias
+
+    # ---- validation ----------------------------------------------------------------------------------------------
+    def validate_dual_attention(self):
+        """Raise a ValueError naming the field for every invalid value or combination."""
+        for name in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "symbolic_attention_heads",
+                     "num_symbols", "max_relative_position", "intermediate_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("num_sensory_heads", "num_relational_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
+        for name in ("num_sensory_key_value_heads", "num_relational_key_value_heads", "num_relations",
+                     "relation_dim", "max_symbol_positions", "sliding_window_size", "sparse_block_size"):
+            _check_positive(name, getattr(self, name), allow_none=True)
+        for name in ("attention_dropout", "hidden_dropout", "embedding_dropout", "symbol_dropout"):
+            _check_probability(name, getattr(self, name))
+        _check_choice("symbol_retrieval", self.symbol_retrieval, SYMBOL_RETRIEVALS)
+        _check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        _check_choice("norm_type", self.norm_type, NORM_TYPES)
+        _check_choice("relation_activation", self.relation_activation, RELATION_ACTIVATIONS)
+        _check_choice("hidden_act", self.hidden_act, MLP_ACTIVATIONS)
+        if not self.norm_eps > 0:
+            raise ValueError(f"`norm_eps` must be positive, got {self.norm_eps!r}.")
+        if not self.rope_theta > 0:
+            raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta!r}.")
+
+        n_heads = self.num_sensory_heads + self.num_relational_heads
+        if n_heads == 0:
+            raise ValueError("`num_sensory_heads` + `num_relational_heads` must be at least 1 (both are 0).")
+        if self.hidden_size % n_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by the total number of heads "
+                f"`num_sensory_heads` + `num_relational_heads` ({n_heads})."
+            )
+        head_dim = self.hidden_size // n_heads
+        if self.position_embedding_type == "rope" and head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head dimension; `hidden_size` / heads = {head_dim}.")
+        for heads_name, kv_name in (("num_sensory_heads", "num_sensory_key_value_heads"),
+                                    ("num_relational_heads", "num_relational_key_value_heads")):
+            heads, kv = getattr(self, heads_name), getattr(self, kv_name)
+            if kv is not None and heads > 0 and heads % kv != 0:
+                raise ValueError(f"`{heads_name}` ({heads}) must be divisible by `{kv_name}` ({kv}).")
+        if self.num_relational_heads > 0:
+            total = head_dim * self.num_relational_heads
+            relations = self.num_relations or self.num_relational_heads
+            if self.relation_dim is None and total % relations != 0:
+                raise ValueError(
+                    f"`num_relations` ({relations}) must divide num_relational_heads * head_dim ({total}) "
+                    "when `relation_dim` is not given."
+                )
+        if self.share_attention_params:
+            if self.num_sensory_heads != self.num_relational_heads:
+                raise ValueError(
+                    "`share_attention_params=True` needs `num_sensory_heads` == `num_relational_heads` "
+                    f"({self.num_sensory_heads} != {self.num_relational_heads})."
+                )
+            if self.sensory_kv_heads != self.relational_kv_heads:
+                raise ValueError(
+                    "`share_attention_params=True` needs equal `num_sensory_key_value_heads` and "
+                    "`num_relational_key_value_heads`."
+                )
+        if self.tie_symbol_library and self.symbol_retrieval == "position_relative":
+            raise ValueError("`tie_symbol_library` is not available with `symbol_retrieval='position_relative'`.")
+        if self.symbol_retrieval == "symbolic_attention" and self.hidden_size % self.symbolic_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `symbolic_attention_heads` "
+                f"({self.symbolic_attention_heads})."
+            )
+        self._validate_biases()
+
+    def _validate_biases(self):
+        for field_name in ("relational_bias", "relational_heads_bias"):
+            value = getattr(self, field_name)
+            if value is None and field_name == "relational_heads_bias":
+                continue
+            values = value if isinstance(value, list) else [value]
+            if isinstance(value, list) and len(value) != self.num_hidden_layers:
+                raise ValueError(
+                    f"`{field_name}` has {len(value)} entries but `num_hidden_layers` is {self.num_hidden_layers}."
+                )
+            for bias in values:
+                if bias not in RELATIONAL_BIASES:
+                    raise ValueError(f"`{field_name}` entries must be in {list(RELATIONAL_BIASES)}, got {bias!r}.")
+                if bias not in self.allowed_relational_biases:
+                    raise ValueError(
+                        f"`{field_name}`={bias!r} is not allowed for `{self.model_type}` models "
+                        f"(allowed: {list(self.allowed_relational_biases)})."
+                    )
+                if bias.startswith("sliding_window") and self.sliding_window_size is None:
+                    raise ValueError(f"`{field_name}`={bias!r} needs `sliding_window_size` to be set.")
+                if bias == "sparse" and self.sparse_block_size is None and self.sparse_edges is None:
+                    raise ValueError(f"`{field_name}`='sparse' needs `sparse_block_size` or `sparse_edges`.")
+        if not isinstance(self.sparse_global_tokens, int) or self.sparse_global_tokens < 0:
+            raise ValueError(f"`sparse_global_tokens` must be a non-negative integer, got {self.sparse_global_tokens!r}.")
+        if self.sparse_edges is not None:
+            for edge in self.sparse_edges:
+                if len(edge) != 2 or any((not isinstance(i, int)) or i < 0 for i in edge):
+                    raise ValueError(f"`sparse_edges` entries must be [receiver, sender] index pairs, got {edge!r}.")
+
+
+@strict(accept_kwargs=True)
+class DATConfig(DualAttentionConfig):
+    r"""Configuration of [`DATModel`] and [`DATForCausalLM`], the Dual Attention Transformer language model.
+
+    Example:
+    ```python
+    >>> from dat_hf import DATConfig, DATForCausalLM
+    >>> config = DATConfig(vocab_size=1000, hidden_size=128, num_sensory_heads=2, num_relational_heads=2)
+    >>> model = DATForCausalLM(config)
+    ```
+    """
+
+    model_type = "dat"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    allowed_relational_biases = CAUSAL_BIASES
+
+    vocab_size: int = 32000
+    tie_word_embeddings: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        _check_positive("vocab_size", self.vocab_size)
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["DualAttentionConfig", "DATConfig"]

@@ -1,0 +1,390 @@
+"""Dual attention: sensory (self-attention) heads beside relational heads, one implementation for every DAT model.
+
+Relational attention (Altabaa & Lafferty, 2024), for receiver i and relational head h:
+
+    A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)
+    a^h   = softmax((x W_q^h)(x W_k^h)^T / sqrt(d_h))                      (attention, with RoPE and GQA)
+    r(x_i, x_j)_l = <x_i W_{q,l}^rel, x_j W_{k,l}^rel> / sqrt(d_r)        (l = 1..num_relations)
+
+With the identity relation activation, sum_j a_ij r_l(x_i, x_j) = <q_l(x_i), sum_j a_ij k_l(x_j)>, so relational
+heads are ordinary attention whose values are `[symbol values | relation keys]`: no `[b, n, n, R]` tensor is built,
+fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). Position-relative symbols and other
+relation activations use the "blocked" path: explicit attention weights, one block of receivers at a time,
+symbols gathered per relative offset (never an `[n, n, d]` tensor).
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .masking_dat import AttentionMask, additive_mask
+
+# receivers per block in the blocked path are chosen so one block's scores stay below this many elements
+BLOCK_SCORE_ELEMENTS = 1 << 22
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """q, k `[b, h, n, d]`; cos, sin `[b, n, d]`."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+class DATRotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half convention (the reference's interleaved pairs are permuted at conversion)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dim = config.head_dim
+        self.base = config.rope_theta
+        self.inv_freq = nn.Buffer(self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self):
+        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float) / self.dim))
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]`."""
+    if n_rep == 1:
+        return hidden_states
+    b, h, n, d = hidden_states.shape
+    return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Softmax attention with explicit weights. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv,
+    d_v]` (d_v may differ from d) -> output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def attention_interface(config, output_attentions: bool) -> Callable:
+    """The configured attention function; eager when weights are requested (fused kernels do not return them)."""
+    if output_attentions:
+        return eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+
+
+def _kernel_mask(mask: AttentionMask, dtype, interface) -> torch.Tensor | None:
+    """The mask in the format the kernel wants (eager needs an additive float mask)."""
+    if interface is eager_attention_forward and mask.mask is not None and mask.mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.mask.device).masked_fill(~mask.mask, torch.finfo(dtype).min)
+    if interface is eager_attention_forward and mask.mask is None and mask.is_causal:
+        return "causal"  # resolved by the caller, who knows the lengths
+    return mask.mask
+
+
+def run_attention(module, config, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
+    """Attention through the Transformers interface with a DAT mask. Returns `[b, q, h, d_v]`, weights or None."""
+    interface = attention_interface(config, output_attentions)
+    kernel_mask = _kernel_mask(mask, query.dtype, interface)
+    if isinstance(kernel_mask, str):
+        kernel_mask = additive_mask(mask, query.shape[2], key.shape[2], query.dtype, query.device)
+    out, weights = interface(
+        module, query, key, value, kernel_mask,
+        scaling=module.scaling, dropout=module.attention_dropout if module.training else 0.0,
+        is_causal=mask.is_causal, **kwargs,
+    )
+    if mask.row_valid is not None:  # receivers without senders get a zero message
+        out = out * mask.row_valid.transpose(1, 2).to(out.dtype)
+    return out, weights
+
+
+class SensoryAttention(nn.Module):
+    """Standard multi-head self-attention (GQA, RoPE) over the Transformers attention interface.
+
+    `project` gives q `[b, h, n, d_h]`, k, v `[b, h_kv, n, d_h]`; `forward` attends and projects:
+    -> output `[b, n, h * d_h]`, weights `[b, h, q, kv]` or None.
+    """
+
+    def __init__(self, config, layer_idx: int, is_causal: bool = True):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = is_causal
+        self.num_heads = config.num_sensory_heads
+        self.num_kv_heads = config.sensory_kv_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        d, hd = config.hidden_size, self.head_dim
+        # with share_attention_params, queries and keys come from the relational heads' attention projections
+        if not config.share_attention_params:
+            self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+            self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
+        self.o_proj.residual_init = True
+
+    def project(self, hidden_states, position_embeddings=None, shared_qk=None):
+        b, n, _ = hidden_states.shape
+        if shared_qk is not None:
+            q, k = shared_qk
+        else:
+            q = self.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+            if position_embeddings is not None:
+                q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        v = self.v_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
+        out, weights = run_attention(self, self.config, query, key, value, mask, output_attentions, **kwargs)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+
+
+class RelationalAttention(nn.Module):
+    """Relational attention heads: `A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)`.
+
+    `project` gives the attention query `[b, h, n, d_h]`, attention key `[b, h_kv, n, d_h]`, symbol values
+    (`[b, h_kv, n, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols), relation
+    queries `[b, n, R, d_r]` and relation keys `[b, n, R * d_r]`. `forward` attends and projects: -> output
+    `[b, n, h * d_h]`, attention weights `[b, h, q, kv]` and relations `[b, R, q, kv]` (both only when
+    `output_attentions`).
+    """
+
+    def __init__(self, config, layer_idx: int, is_causal: bool = True):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_causal = is_causal
+        self.num_heads = config.num_relational_heads
+        self.num_kv_heads = config.relational_kv_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.head_dim = config.head_dim
+        self.num_relations = config.relations
+        self.relation_dim = config.relation_head_dim
+        self.scaling = self.head_dim**-0.5
+        self.relation_scaling = self.relation_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.relative_symbols = config.symbol_retrieval == "position_relative"
+        self.relation_activation = config.relation_activation
+        self.relation_act = ACT2FN[config.relation_activation] if config.relation_activation != "identity" else None
+        d, hd, rd = config.hidden_size, self.head_dim, self.num_relations * self.relation_dim
+        self.q_attn_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_attn_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.q_rel_proj = nn.Linear(d, rd, bias=False)
+        if not config.symmetric_relations:
+            self.k_rel_proj = nn.Linear(d, rd, bias=False)
+        self.symbol_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)  # W_s
+        self.relation_proj = nn.Parameter(torch.empty(self.num_heads, hd, self.num_relations))  # W_r [h, d_h, R]
+        self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
+        self.o_proj.residual_init = True
+
+    @property
+    def uses_fused_path(self) -> bool:
+        return self.relation_act is None and not self.relative_symbols
+
+    def attention_query_key(self, hidden_states, position_embeddings=None):
+        b, n, _ = hidden_states.shape
+        q = self.q_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        k = self.k_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        if position_embeddings is not None:
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        return q, k
+
+    def project(self, hidden_states, symbols, position_embeddings=None):
+        b, n, _ = hidden_states.shape
+        q, k = self.attention_query_key(hidden_states, position_embeddings)
+        q_rel = self.q_rel_proj(hidden_states)
+        k_rel = q_rel if self.config.symmetric_relations else self.k_rel_proj(hidden_states)
+        if self.relative_symbols:  # the [2K + 1, d] table -> [2K + 1, h_kv, d_h]
+            symbol_values = self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
+        else:
+            symbol_values = self.symbol_proj(symbols).view(symbols.shape[0], n, -1, self.head_dim).transpose(1, 2)
+            symbol_values = symbol_values.expand(b, -1, -1, -1)
+        return q, k, symbol_values, q_rel.view(b, n, self.num_relations, self.relation_dim), k_rel
+
+    def forward(self, query, key, symbol_values, q_rel, k_rel, mask: AttentionMask, output_attentions=False,
+                **kwargs):
+        b, q_len = query.shape[0], query.shape[2]
+        if self.uses_fused_path and not output_attentions:
+            # values = [symbol values | relation keys]: sum_j a_ij k_rel_j rides along the symbols in one kernel
+            kv_len = key.shape[2]
+            k_rel_heads = k_rel[:, None].expand(b, self.num_kv_heads, kv_len, k_rel.shape[-1])
+            value = torch.cat([symbol_values, k_rel_heads], dim=-1)
+            out, weights = run_attention(self, self.config, query, key, value, mask, **kwargs)
+            attended_symbols, attended_keys = out.split([self.head_dim, k_rel.shape[-1]], dim=-1)
+            attended_keys = attended_keys.reshape(b, q_len, self.num_heads, self.num_relations, self.relation_dim)
+            # sum_j a_ij r_l(x_i, x_j) = <q_l(x_i), sum_j a_ij k_l(x_j)> / sqrt(d_r)
+            attended_relations = (attended_keys * q_rel[:, :, None]).sum(-1) * self.relation_scaling  # [b, q, h, R]
+            relations = None
+        else:
+            attended_symbols, attended_relations, weights, relations = self._blocked_attention(
+                query, key, symbol_values, q_rel, k_rel, mask, output_attentions
+            )
+        # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
+        out = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, self.relation_proj.to(query.dtype))
+        if mask.row_valid is not None:
+            out = out * mask.row_valid.transpose(1, 2).to(out.dtype)
+        return self.o_proj(out.reshape(b, q_len, -1)), weights, relations
+
+    # ---- blocked path ------------------------------------------------------------------------------------------
+    def _blocked_attention(self, query, key, symbol_values, q_rel, k_rel, mask, output_attentions):
+        b, h, q_len, _ = query.shape
+        kv_len = key.shape[2]
+        key = repeat_kv(key, self.num_key_value_groups)
+        if self.relative_symbols:
+            symbol_values = symbol_values.repeat_interleave(self.num_key_value_groups, dim=1)  # [2K + 1, h, d_h]
+        else:
+            symbol_values = repeat_kv(symbol_values, self.num_key_value_groups)
+        full_mask = additive_mask(mask, q_len, kv_len, query.dtype, query.device)
+        k_rel = k_rel.view(b, kv_len, self.num_relations, self.relation_dim)
+        block = q_len if output_attentions else max(1, min(q_len, BLOCK_SCORE_ELEMENTS // max(1, b * h * kv_len)))
+        use_checkpoint = self.training and torch.is_grad_enabled() and block < q_len
+        outputs = []
+        for start in range(0, q_len, block):
+            end = min(q_len, start + block)
+            block_mask = None if full_mask is None else full_mask[:, :, start:end]
+            args = (query[:, :, start:end], key, symbol_values, q_rel[:, start:end], k_rel, block_mask,
+                    kv_len - q_len + start)
+            if use_checkpoint:  # keep training memory linear in the sequence length
+                outputs.append(torch.utils.checkpoint.checkpoint(
+                    self._attend_block, *args, output_attentions, use_reentrant=False))
+            else:
+                outputs.append(self._attend_block(*args, output_attentions))
+        symbols_out, relations_out, weights, relations = (
+            torch.cat(parts, dim=1 if i < 2 else 2) if parts[0] is not None else None
+            for i, parts in enumerate(zip(*outputs))
+        )
+        return symbols_out, relations_out, weights, relations
+
+    def _attend_block(self, query, key, symbol_values, q_rel, k_rel, block_mask, q_offset, output_attentions):
+        """One block of receivers: query `[b, h, q, d_h]` -> attended symbols `[b, q, h, d_h]`, attended relations
+        `[b, q, h, R]` (+ weights `[b, h, q, kv]`, relations `[b, R, q, kv]` when asked)."""
+        scores = torch.matmul(query, key.transpose(2, 3)) * self.scaling
+        if block_mask is not None:
+            scores = scores + block_mask
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = nn.functional.dropout(weights, p=self.attention_dropout, training=self.training)
+        if self.relative_symbols:
+            # bin each receiver's weights by clipped offset j - i, then mix the offset table: no [n, n, d] tensor
+            q_len, kv_len, clip = query.shape[2], key.shape[2], self.config.max_relative_position
+            offsets = torch.arange(kv_len, device=query.device)[None] - (
+                torch.arange(q_len, device=query.device)[:, None] + q_offset)
+            index = (offsets.clamp(-clip, clip) + clip).expand_as(weights)
+            binned = weights.new_zeros(*weights.shape[:3], 2 * clip + 1).scatter_add_(-1, index, weights)
+            attended_symbols = torch.einsum("bhqk,khd->bqhd", binned, symbol_values)
+        else:
+            attended_symbols = torch.matmul(weights, symbol_values).transpose(1, 2)
+        relations = None
+        if self.relation_act is None and not output_attentions:
+            k_flat = k_rel.flatten(2)[:, None]  # [b, 1, kv, R * d_r]
+            attended_keys = torch.matmul(weights, k_flat).unflatten(-1, (self.num_relations, self.relation_dim))
+            attended_relations = (attended_keys * q_rel[:, None]).sum(-1) * self.relation_scaling  # [b, h, q, R]
+        else:
+            # r_l(x_i, x_j) for this block: [b, R, q, kv]
+            relations = torch.matmul(q_rel.transpose(1, 2), k_rel.permute(0, 2, 3, 1)) * self.relation_scaling
+            if self.relation_act is not None:
+                relations = self.relation_act(relations)
+            attended_relations = torch.einsum("bhqk,brqk->bhqr", weights, relations)
+        return (attended_symbols, attended_relations.transpose(1, 2),
+                weights if output_attentions else None, relations if output_attentions else None)
+
+
+class DualAttention(nn.Module):
+    """Sensory heads and relational heads side by side; their outputs are concatenated (as in the reference).
+
+    One cache layer per DAT layer holds both: keys `[b, h_kv_s + h_kv_r, n, d_h]` and one flat value slot
+    `[b, 1, n, h_kv_s * d_h + h_kv_r * d_h + R * d_r]` (sensory values | symbol values | relation keys), split
+    after `Cache.update`.
+    """
+
+    def __init__(self, config, layer_idx: int, is_causal: bool = True):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.sensory = SensoryAttention(config, layer_idx, is_causal) if config.num_sensory_heads > 0 else None
+        self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
+        self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
+
+    def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
+                past_key_values=None, output_attentions=False, **kwargs):
+        """hidden_states `[b, n, d]` -> `[b, n, d]`."""
+        b, n, _ = hidden_states.shape
+        keys, values = [], []
+        if self.relational is not None:
+            q_r, k_r, sv, q_rel, k_rel = self.relational.project(hidden_states, symbols, position_embeddings)
+            keys.append(k_r)
+        if self.sensory is not None:
+            q_s, k_s, v_s = self.sensory.project(
+                hidden_states, position_embeddings, shared_qk=(q_r, k_r) if self.share_qk else None)
+            if not self.share_qk:
+                keys.append(k_s)
+            values.append(v_s)
+        if self.relational is not None:
+            if not self.relational.relative_symbols:
+                values.append(sv)
+            values.append(k_rel[:, None])
+
+        if past_key_values is not None:
+            key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
+            flat_values = [v.transpose(1, 2).reshape(b, 1, n, -1) for v in values]
+            value_cache = torch.cat(flat_values, dim=-1) if len(flat_values) > 1 else flat_values[0]
+            key_cache, value_cache = past_key_values.update(key_cache, value_cache, self.layer_idx)
+            keys, values = self._split_cache(key_cache, value_cache)
+            if self.relational is not None:
+                k_r = keys.pop(0)
+                sv = sv if self.relational.relative_symbols else values.pop(-2)
+                k_rel = values.pop(-1)
+            if self.sensory is not None:
+                k_s = k_r if self.share_qk else keys.pop(0)
+                v_s = values.pop(0)
+
+        outputs = []
+        if self.sensory is not None:
+            out_s, _ = self.sensory(q_s, k_s, v_s, sensory_mask, output_attentions=output_attentions, **kwargs)
+            outputs.append(out_s)
+        if self.relational is not None:
+            out_r, _, _ = self.relational(q_r, k_r, sv, q_rel, k_rel, relational_mask,
+                                          output_attentions=output_attentions, **kwargs)
+            outputs.append(out_r)
+        return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+
+    def _split_cache(self, key_cache, value_cache):
+        """Undo the packing of `forward`: lists of keys `[b, h_kv, N, d_h]` and values (sensory `[b, h_kv, N, d_h]`,
+        symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]`) in packing order."""
+        b, _, total, _ = value_cache.shape
+        hd = self.config.head_dim
+        key_sizes, value_sizes = [], []
+        if self.relational is not None:
+            key_sizes.append(self.relational.num_kv_heads)
+        if self.sensory is not None:
+            if not self.share_qk:
+                key_sizes.append(self.sensory.num_kv_heads)
+            value_sizes.append(("heads", self.sensory.num_kv_heads))
+        if self.relational is not None:
+            if not self.relational.relative_symbols:
+                value_sizes.append(("heads", self.relational.num_kv_heads))
+            value_sizes.append(("flat", self.relational.num_relations * self.relational.relation_dim))
+        keys = list(key_cache.split(key_sizes, dim=1))
+        widths = [n * hd if kind == "heads" else n for kind, n in value_sizes]
+        values = []
+        for (kind, n), part in zip(value_sizes, value_cache.split(widths, dim=-1)):
+            part = part[:, 0]  # [b, N, width]
+            values.append(part.view(b, total, n, hd).transpose(1, 2) if kind == "heads" else part)
+        return keys, values
+
+
+__all__ = ["DualAttention", "SensoryAttention", "RelationalAttention", "DATRotaryEmbedding", "apply_rotary_pos_emb",
+           "eager_attention_forward", "repeat_kv", "run_attention"]

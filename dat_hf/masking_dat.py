@@ -1,0 +1,173 @@
+"""Relational inductive biases as attention masks (one small mask library for every DAT model).
+
+Each bias is an attention graph (receiver i may attend to sender j), as in "On the relational inductive biases of
+attention": `full` (complete graph), `causal` (total order), `sliding_window` (the p previous tokens and itself),
+`sliding_window_bidirectional` (|i - j| <= p), `sparse` (a fixed graph from the config: local blocks plus global
+tokens, or explicit edges) and `graph` (an adjacency given with each input). Encoder-decoder cross-attention is the
+bipartite graph `bipartite` (every target token to every unpadded source token).
+
+Masks are built once per forward with Transformers' `masking_utils` (so they have the type the attention
+implementation expects: None, bool or additive float), together with `row_valid`, which marks receivers that have
+at least one sender. Rows without senders are unmasked for the kernel (no NaN) and their output is zeroed.
+"""
+
+from typing import NamedTuple
+
+import torch
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+
+class AttentionMask(NamedTuple):
+    """A mask in the format of the attention implementation, plus which receivers have any sender.
+
+    mask: None (no masking, or plain causal handled by the kernel when `is_causal`), bool `[b, 1, q, kv]` (True =
+        attend) or additive float `[b, 1, q, kv]`.
+    row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
+    is_causal: whether a None mask means causal.
+    """
+
+    mask: torch.Tensor | None
+    row_valid: torch.Tensor | None
+    is_causal: bool
+
+
+def _window_function(window: int, two_sided: bool):
+    def window_fn(batch_idx, head_idx, q_idx, kv_idx):
+        distance = q_idx - kv_idx
+        if two_sided:
+            return (distance <= window) & (distance >= -window)
+        return distance <= window
+
+    return window_fn
+
+
+def _sparse_function(config, device):
+    block, n_global = config.sparse_block_size, config.sparse_global_tokens
+    edges = None
+    if config.sparse_edges:
+        size = max(max(e) for e in config.sparse_edges) + 1
+        edges = torch.zeros(size, size, dtype=torch.bool, device=device)
+        index = torch.tensor(config.sparse_edges, device=device)
+        edges[index[:, 0], index[:, 1]] = True
+
+    def sparse_fn(batch_idx, head_idx, q_idx, kv_idx):
+        allowed = q_idx == kv_idx
+        if block is not None:
+            allowed = allowed | (torch.div(q_idx, block, rounding_mode="floor") == torch.div(kv_idx, block, rounding_mode="floor"))
+        if n_global > 0:
+            allowed = allowed | (q_idx < n_global) | (kv_idx < n_global)
+        if edges is not None:
+            n = edges.shape[0]
+            inside = (q_idx < n) & (kv_idx < n)
+            allowed = allowed | (inside & edges[q_idx.clamp(max=n - 1), kv_idx.clamp(max=n - 1)])
+        return allowed
+
+    return sparse_fn
+
+
+def _graph_function(adjacency: torch.Tensor):
+    def graph_fn(batch_idx, head_idx, q_idx, kv_idx):
+        return adjacency[batch_idx, q_idx, kv_idx]
+
+    return graph_fn
+
+
+def check_graph_adjacency(adjacency, batch_size: int, seq_len: int):
+    if adjacency is None:
+        raise ValueError("`relational_bias='graph'` needs `graph_adjacency`, a bool tensor [batch, n, n].")
+    if adjacency.dtype != torch.bool:
+        raise ValueError(f"`graph_adjacency` must be a bool tensor, got dtype {adjacency.dtype}.")
+    if tuple(adjacency.shape) != (batch_size, seq_len, seq_len):
+        raise ValueError(
+            f"`graph_adjacency` must have shape [batch, n, n] = {[batch_size, seq_len, seq_len]}, "
+            f"got {list(adjacency.shape)}."
+        )
+
+
+def _with_row_validity(mask: torch.Tensor | None, is_causal: bool) -> AttentionMask:
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return AttentionMask(mask, None, is_causal)
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    row_valid = allowed.any(dim=-1, keepdim=True)
+    if not torch.compiler.is_compiling() and bool(row_valid.all()):
+        return AttentionMask(mask, None, is_causal)
+    # let isolated receivers attend everywhere (finite kernels), their output is zeroed by the caller
+    if mask.dtype == torch.bool:
+        mask = mask | ~row_valid
+    else:
+        mask = mask.masked_fill(~row_valid, 0.0)
+    return AttentionMask(mask, row_valid, is_causal)
+
+
+def build_attention_mask(
+    bias: str,
+    config,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values=None,
+    position_ids: torch.Tensor | None = None,
+    graph_adjacency: torch.Tensor | None = None,
+    causal: bool = True,
+) -> AttentionMask:
+    """Build the mask of one relational bias. `causal` intersects every bias with the causal order (decoders)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.bool()
+    and_fn = None
+    if bias in ("sliding_window", "sliding_window_bidirectional"):
+        and_fn = _window_function(config.sliding_window_size, two_sided=bias == "sliding_window_bidirectional")
+    elif bias == "sparse":
+        and_fn = _sparse_function(config, inputs_embeds.device)
+    elif bias == "graph":
+        and_fn = _graph_function(graph_adjacency)
+    elif bias not in ("full", "causal"):
+        raise ValueError(f"Unknown relational bias {bias!r}.")
+    if causal and bias != "full":
+        mask = create_causal_mask(
+            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, position_ids=position_ids, and_mask_function=and_fn,
+        )
+        return _with_row_validity(mask, is_causal=True)
+    mask = create_bidirectional_mask(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+        past_key_values=past_key_values, and_mask_function=and_fn,
+    )
+    return _with_row_validity(mask, is_causal=False)
+
+
+def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, encoder_attention_mask) -> AttentionMask:
+    """The bipartite graph of encoder-decoder attention: every target token to every unpadded source token."""
+    if encoder_attention_mask is not None and encoder_attention_mask.dtype != torch.bool:
+        encoder_attention_mask = encoder_attention_mask.bool()
+    mask = create_bidirectional_mask(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=encoder_attention_mask,
+        encoder_hidden_states=encoder_hidden_states,
+    )
+    return _with_row_validity(mask, is_causal=False)
+
+
+def additive_mask(mask: AttentionMask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor | None:
+    """The mask as an additive float `[b|1, 1, q, kv]` tensor (for code that builds its own scores)."""
+    min_value = torch.finfo(dtype).min
+    if mask.mask is None:
+        if not mask.is_causal or q_len == 1:
+            return None
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        allowed = q_pos >= torch.arange(kv_len, device=device)[None, :]
+        return torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, min_value)[None, None]
+    if mask.mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=device).masked_fill(~mask.mask, min_value)
+    return mask.mask.to(dtype)
+
+
+def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
+                graph_adjacency=None, causal=True) -> dict[str, AttentionMask]:
+    """Build every distinct bias used by a model once per forward: {bias name: AttentionMask}."""
+    return {
+        bias: build_attention_mask(bias, config, inputs_embeds, attention_mask, past_key_values, position_ids,
+                                   graph_adjacency, causal)
+        for bias in dict.fromkeys(biases)
+    }
+
+
+__all__ = ["AttentionMask", "additive_mask", "build_attention_mask", "build_cross_attention_mask", "build_masks",
+           "check_graph_adjacency"]

@@ -1,0 +1,474 @@
+"""Dual Attention Transformer language model: DATModel, DATForCausalLM, DATForSequenceClassification.
+
+A DAT layer (pre-norm shown; post-norm is supported):
+
+    s   = SymbolRetriever(x)                       (symbolic attention, positional or position-relative symbols)
+    x  += DualAttention(norm1(x), s)               (sensory heads | relational heads, concatenated)
+    x  += MLP(norm2(x))
+"""
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import wraps
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_dat import DATConfig
+from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, SensoryAttention
+from .masking_dat import build_masks, check_graph_adjacency
+from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
+
+
+@dataclass
+class DATModelOutputWithPast(BaseModelOutputWithPast):
+    """`attentions` are the sensory heads' weights; `relational_attentions` the relational heads' weights
+    `[b, h_r, q, kv]` and `relations` the relation tensors `[b, R, q, kv]`, one per layer."""
+
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DATCausalLMOutputWithPast(CausalLMOutputWithPast):
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+class DATRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        # x / rms(x) * w, computed in float32
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(config) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return DATRMSNorm(config.hidden_size, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+class DATMLP(nn.Module):
+    """Feed-forward: `down(act(gate(x)) * up(x))` for swiglu, else `down(act(up(x)))`."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gated = config.hidden_act == "swiglu"
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        if self.gated:
+            self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
+        self.down_proj.residual_init = True
+        self.act_fn = ACT2FN["silu" if self.gated else config.hidden_act]
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class DATDecoderLayer(GradientCheckpointingLayer):
+    """One DAT block: dual attention and MLP with residuals, pre- or post-norm. `[b, n, d]` -> `[b, n, d]`."""
+
+    def __init__(self, config, layer_idx: int, is_causal: bool = True):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.pre_norm = config.pre_norm
+        self.input_layernorm = make_norm(config)
+        self.dual_attn = DualAttention(config, layer_idx, is_causal)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = DATMLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
+                past_key_values=None, **kwargs):
+        def attend(x):
+            return self.dropout(self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask,
+                                               past_key_values, **kwargs))
+
+        if self.pre_norm:
+            hidden_states = hidden_states + attend(self.input_layernorm(hidden_states))
+            hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        else:
+            hidden_states = self.dropout(self.input_layernorm(hidden_states + attend(hidden_states)))
+            hidden_states = self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
+        return hidden_states
+
+
+def attentions_imply_relations(func):
+    """`output_attentions=True` also returns the relational heads' weights and the relations."""
+
+    @wraps(func)
+    def wrapper(self, *args, **kwargs):
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            kwargs.setdefault("output_relational_attentions", True)
+            kwargs.setdefault("output_relations", True)
+        return func(self, *args, **kwargs)
+
+    return wrapper
+
+
+class DATPreTrainedModel(PreTrainedModel):
+    config: DATConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DATDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    _supports_attention_backend = False
+    _can_record_outputs = {
+        "hidden_states": DATDecoderLayer,
+        "attentions": OutputRecorder(SensoryAttention, index=1),
+        "relational_attentions": OutputRecorder(RelationalAttention, index=1),
+        "relations": OutputRecorder(RelationalAttention, index=2),
+    }
+
+    # every Auto class of the family, written to `auto_map` on save so remote code loads any of them
+    auto_classes = {
+        "AutoConfig": "configuration_dat.DATConfig",
+        "AutoModel": "modeling_dat.DATModel",
+        "AutoModelForCausalLM": "modeling_dat.DATForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_dat.DATForSequenceClassification",
+    }
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, atomic per file (written to a temporary folder, then moved into place),
+        with an `auto_map` covering every Auto class of the family and the modeling files copied beside."""
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self.auto_classes}
+        if kwargs.get("push_to_hub"):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        if os.path.isfile(save_directory):
+            raise ValueError(f"`save_directory` ({save_directory}) must be a folder, not a file.")
+        save_directory = os.path.abspath(save_directory)
+        parent = os.path.dirname(save_directory)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".dat_hf_save_", dir=parent)
+        try:
+            super().save_pretrained(tmp, *args, **kwargs)
+            os.makedirs(save_directory, exist_ok=True)
+            for name in os.listdir(tmp):
+                target = os.path.join(save_directory, name)
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target)
+                os.replace(os.path.join(tmp, name), target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            # projections into the residual stream are scaled down with depth (GPT-2)
+            scale = (2 * self.config.num_hidden_layers) ** -0.5 if getattr(module, "residual_init", False) else 1.0
+            init.normal_(module.weight, mean=0.0, std=std * scale)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, DATRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, RelationalAttention):
+            init.normal_(module.relation_proj, mean=0.0, std=std)
+        elif isinstance(module, SymbolicAttention):
+            init.normal_(module.template_features, mean=0.0, std=1.0)
+            if hasattr(module, "symbol_library"):
+                init.normal_(module.symbol_library, mean=0.0, std=1.0)
+        elif isinstance(module, PositionalSymbols):
+            if hasattr(module, "symbol_library"):
+                init.normal_(module.symbol_library, mean=0.0, std=std)
+        elif isinstance(module, PositionRelativeSymbols):
+            init.normal_(module.rel_pos_embeddings, mean=0.0, std=std)
+        elif isinstance(module, DATRotaryEmbedding):
+            init.copy_(module.inv_freq, module.compute_inv_freq())
+
+
+class DATModel(DATPreTrainedModel):
+    """The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`."""
+
+    is_causal = True
+
+    def __init__(self, config: DATConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        elif config.position_embedding_type == "rope":
+            self.rotary_emb = DATRotaryEmbedding(config)
+        self.dropout = nn.Dropout(config.embedding_dropout)
+        self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
+        self.layers = nn.ModuleList(
+            [DATDecoderLayer(config, i, is_causal=self.is_causal) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = make_norm(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @attentions_imply_relations
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        graph_adjacency: torch.BoolTensor | None = None,
+        **kwargs,
+    ) -> DATModelOutputWithPast:
+        r"""
+        graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
+            Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must have shape [batch, seq_len], got {list(input_ids.shape)}.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len, _ = inputs_embeds.shape
+        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
+        kwargs.pop("output_relational_attentions", None)
+        kwargs.pop("output_relations", None)
+        kwargs.pop("output_hidden_states", None)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
+        if position_ids is None:
+            position_ids = self._default_position_ids(attention_mask, batch_size, seq_len, past_seen, inputs_embeds.device)
+        elif position_ids.shape[-1] != seq_len:
+            raise ValueError(f"`position_ids` must have shape [batch, {seq_len}], got {list(position_ids.shape)}.")
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        self._check_positions(position_ids)
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if self.config.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        elif self.config.position_embedding_type == "rope":
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states = self.dropout(hidden_states)
+
+        layer_biases = [
+            (self.config.layer_bias(i, relational=False), self.config.layer_bias(i, relational=True))
+            for i in range(self.config.num_hidden_layers)
+        ]
+        if any("graph" in pair for pair in layer_biases):
+            if past_seen > 0:
+                raise ValueError("The `graph` relational bias does not support a KV cache (the graph is per input).")
+            check_graph_adjacency(graph_adjacency, batch_size, seq_len)
+        masks = build_masks(
+            [bias for pair in layer_biases for bias in pair], self.config, inputs_embeds, attention_mask,
+            past_key_values, position_ids, graph_adjacency, causal=self.is_causal,
+        )
+
+        retrievers = self.symbol_retrievers
+        symbols = None
+        if retrievers is not None and retrievers.shared and retrievers.feature_independent:
+            symbols = retrievers(0, hidden_states, position_ids)  # the same for every layer: compute once
+        for i, layer in enumerate(self.layers):
+            layer_symbols = symbols
+            if retrievers is not None and layer_symbols is None:
+                layer_symbols = retrievers(i, hidden_states, position_ids)
+            sensory_bias, relational_bias = layer_biases[i]
+            hidden_states = layer(
+                hidden_states,
+                layer_symbols,
+                position_embeddings=position_embeddings,
+                sensory_mask=masks[sensory_bias],
+                relational_mask=masks[relational_bias],
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    # ---- input checks ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_attention_mask(attention_mask, batch_size, total_len):
+        if attention_mask is None or attention_mask.dim() == 4:
+            return
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_len):
+            raise ValueError(
+                f"`attention_mask` must have shape [batch, past + seq_len] = {[batch_size, total_len]} (1 = token, "
+                f"0 = padding), got {list(attention_mask.shape)}."
+            )
+
+    @staticmethod
+    def _default_position_ids(attention_mask, batch_size, seq_len, past_seen, device):
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # left padding: positions count real tokens only
+            positions = attention_mask.long().cumsum(-1) - 1
+            return positions.clamp(min=0)[:, -seq_len:]
+        return (torch.arange(seq_len, device=device) + past_seen)[None].expand(batch_size, -1)
+
+    def _check_positions(self, position_ids):
+        limits = []
+        if self.config.position_embedding_type == "learned":
+            limits.append(("max_position_embeddings", self.config.max_position_embeddings, "learned positions"))
+        if self.config.symbol_retrieval == "positional" and self.config.num_relational_heads > 0:
+            limit = self.config.max_symbol_positions or self.config.max_position_embeddings
+            limits.append(("max_symbol_positions", limit, "positional symbols"))
+        if not limits or torch.compiler.is_compiling():
+            return
+        largest = int(position_ids.max())
+        for field, limit, what in limits:
+            if largest >= limit:
+                raise ValueError(
+                    f"Position {largest} is out of range for the {what}: the sequence (with its cache) is longer "
+                    f"than `{field}` = {limit}."
+                )
+
+
+class DATForCausalLM(DATPreTrainedModel, GenerationMixin):
+    """DAT language model head. input_ids `[b, n]` -> logits `[b, n, vocab]` (loss with `labels`)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DATConfig):
+        super().__init__(config)
+        self.model = DATModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        graph_adjacency: torch.BoolTensor | None = None,
+        **kwargs,
+    ) -> DATCausalLMOutputWithPast:
+        outputs: DATModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            graph_adjacency=graph_adjacency,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return DATCausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            relational_attentions=outputs.relational_attentions,
+            relations=outputs.relations,
+        )
+
+
+class DATForSequenceClassification(DATPreTrainedModel):
+    """Classifies a sequence from its last non-padding token. input_ids `[b, n]` -> logits `[b, num_labels]`."""
+
+    def __init__(self, config: DATConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = DATModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutputWithPast:
+        outputs = self.model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )
+        logits = self.score(outputs.last_hidden_state)
+        batch_size = logits.shape[0]
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # the rightmost real token (left or right padding)
+            positions = torch.arange(attention_mask.shape[-1], device=logits.device)
+            last = (positions * attention_mask.to(logits.device).long()).argmax(-1) - (attention_mask.shape[-1] - logits.shape[1])
+        elif self.config.pad_token_id is not None and input_ids is not None:
+            positions = torch.arange(input_ids.shape[-1], device=logits.device)
+            last = (positions * (input_ids != self.config.pad_token_id).long()).argmax(-1)
+        else:
+            if batch_size != 1 and self.config.pad_token_id is None and attention_mask is None:
+                raise ValueError("Batches of several sequences need `attention_mask` or `pad_token_id` to find the "
+                                 "last token of each.")
+            last = torch.full((batch_size,), logits.shape[1] - 1, device=logits.device)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled_logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+
+
+__all__ = [
+    "DATPreTrainedModel",
+    "DATModel",
+    "DATForCausalLM",
+    "DATForSequenceClassification",
+    "DATDecoderLayer",
+    "DATMLP",
+    "DATRMSNorm",
+    "DATModelOutputWithPast",
+    "DATCausalLMOutputWithPast",
+]

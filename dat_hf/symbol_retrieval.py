@@ -1,0 +1,100 @@
+"""Symbol retrievers: where each sender's symbol `s_j` in relational attention comes from.
+
+- `SymbolicAttention`: symbols retrieved from a learned library by attention on the features (`s_j` depends only on
+  x_j, so permutation symmetry is kept).
+- `PositionalSymbols`: `s_j` is a learned embedding of position j (breaks permutation symmetry).
+- `PositionRelativeSymbols`: `s_{ij}` embeds the clipped offset j - i (keeps translation symmetry). It returns the
+  `[2K + 1, d]` table; relational attention gathers it per offset, never per (i, j) pair.
+
+A new retriever is one small class with `forward(hidden_states, position_ids, symbol_library=None)`.
+"""
+
+import torch
+from torch import nn
+
+
+class SymbolicAttention(nn.Module):
+    """Retrieve symbols from a library by multi-head attention: `s = Attn(q = x W_q, k = templates, v = library)`.
+
+    hidden_states `[b, n, d]` -> symbols `[b, n, d]`.
+    """
+
+    def __init__(self, config, own_library: bool = True):
+        super().__init__()
+        self.num_heads = config.symbolic_attention_heads
+        self.scale = config.symbolic_attention_scale
+        self.dropout = config.symbol_dropout
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.template_features = nn.Parameter(torch.empty(config.num_symbols, config.hidden_size))
+        if own_library:
+            self.symbol_library = nn.Parameter(
+                torch.empty(config.num_symbols, config.hidden_size), requires_grad=config.trainable_symbols
+            )
+
+    def forward(self, hidden_states, position_ids=None, symbol_library=None):
+        b, n, d = hidden_states.shape
+        library = self.symbol_library if symbol_library is None else symbol_library
+        query = self.q_proj(hidden_states).view(b, n, self.num_heads, -1).transpose(1, 2)  # [b, h, n, d/h]
+        key = self.template_features.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]  # [1, h, S, d/h]
+        value = library.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]
+        key, value = key.to(query.dtype).expand(b, -1, -1, -1), value.to(query.dtype).expand(b, -1, -1, -1)
+        symbols = nn.functional.scaled_dot_product_attention(
+            query, key, value, scale=self.scale, dropout_p=self.dropout if self.training else 0.0
+        )
+        return symbols.transpose(1, 2).reshape(b, n, d)
+
+
+class PositionalSymbols(nn.Module):
+    """`s_j` = library[position_j]. position_ids `[b|1, n]` -> symbols `[b|1, n, d]`."""
+
+    def __init__(self, config, own_library: bool = True):
+        super().__init__()
+        self.max_positions = config.max_symbol_positions or config.max_position_embeddings
+        if own_library:
+            self.symbol_library = nn.Parameter(torch.empty(self.max_positions, config.hidden_size))
+
+    def forward(self, hidden_states, position_ids=None, symbol_library=None):
+        library = self.symbol_library if symbol_library is None else symbol_library
+        return nn.functional.embedding(position_ids, library).to(hidden_states.dtype)
+
+
+class PositionRelativeSymbols(nn.Module):
+    """`s_{ij}` = table[clip(j - i, -K, K) + K]. Returns the table `[2K + 1, d]` (gathered per offset downstream)."""
+
+    def __init__(self, config, own_library: bool = True):
+        super().__init__()
+        self.max_relative_position = config.max_relative_position
+        self.rel_pos_embeddings = nn.Parameter(torch.empty(2 * config.max_relative_position + 1, config.hidden_size))
+
+    def forward(self, hidden_states, position_ids=None, symbol_library=None):
+        return self.rel_pos_embeddings.to(hidden_states.dtype)
+
+
+SYMBOL_RETRIEVERS = {
+    "symbolic_attention": SymbolicAttention,
+    "positional": PositionalSymbols,
+    "position_relative": PositionRelativeSymbols,
+}
+
+
+class SymbolRetrievers(nn.Module):
+    """The symbol retriever(s) of a DAT stack: one shared by all layers, or one per layer (optionally sharing a
+    symbol library). `symbols(layer_idx, hidden_states, position_ids)` gives layer `layer_idx`'s symbols."""
+
+    def __init__(self, config):
+        super().__init__()
+        cls = SYMBOL_RETRIEVERS[config.symbol_retrieval]
+        self.shared = config.shared_symbol_retriever
+        self.tied_library = config.tie_symbol_library and not self.shared
+        n = 1 if self.shared else config.num_hidden_layers
+        self.retrievers = nn.ModuleList([cls(config, own_library=(i == 0 or not self.tied_library)) for i in range(n)])
+        # symbols of a shared retriever that does not look at the features are computed once per forward
+        self.feature_independent = config.symbol_retrieval != "symbolic_attention"
+
+    def forward(self, layer_idx, hidden_states, position_ids):
+        retriever = self.retrievers[0 if self.shared else layer_idx]
+        library = self.retrievers[0].symbol_library if self.tied_library and layer_idx > 0 else None
+        return retriever(hidden_states, position_ids, symbol_library=library)
+
+
+__all__ = ["SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]
