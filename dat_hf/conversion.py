@@ -1,0 +1,311 @@
+"""Conversion of the authors' `dual_attention` (0.0.7) models into dat_hf models with identical outputs.
+
+`from_reference_model(module)` takes a live reference model and returns the matching dat_hf model (weights copied,
+eval mode). Reads only module attributes and tensors; never unpickles anything. Not imported by the modeling files.
+
+How the reference maps:
+- Attention `wq, wk, wv, wo` -> `q_proj, k_proj, v_proj, o_proj`; RelationalAttention `wq_attn, wk_attn` ->
+  `q_attn_proj, k_attn_proj`, `wq_rel, wk_rel` -> `q_rel_proj, k_rel_proj`, `wv` -> `symbol_proj` (W_s), `wr` ->
+  `relation_proj` (W_r), `wo` -> `o_proj`.
+- RoPE: the reference rotates interleaved pairs (x[2i], x[2i+1]); dat_hf uses Transformers' rotate-half pairs
+  (x[i], x[i + d/2]). The rows of every RoPE'd query/key projection are permuted per head, which leaves every
+  attention score unchanged.
+- FeedForwardBlock `linear1, linear2, linear3` -> swiglu `gate_proj, down_proj, up_proj`; else `up_proj, down_proj`.
+- activation 'gelu' (the reference's is tanh-approximated) -> `gelu_pytorch_tanh`.
+- The LM's `bias` argument has no effect in the reference (its blocks always use FFN biases): `mlp_bias=True`.
+"""
+
+import importlib
+import importlib.util
+
+import torch
+
+REFERENCE_ACTIVATIONS = {"gelu": "gelu_pytorch_tanh", "relu": "relu", "swiglu": "swiglu", "silu": "silu",
+                         "tanh": "tanh", "sigmoid": "sigmoid", "identity": "identity"}
+REFERENCE_SYMBOLS = {"symbolic_attention": "symbolic_attention", "positional_symbols": "positional",
+                     "position_relative": "position_relative"}
+
+
+def _activation(name):
+    if name not in REFERENCE_ACTIVATIONS:
+        raise ValueError(f"Reference activation {name!r} has no dat_hf equivalent.")
+    return REFERENCE_ACTIVATIONS[name]
+
+
+def rope_permutation(num_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order that turns interleaved-pair RoPE projections into rotate-half ones: per head [0, 2, ..., 1, 3, ...]."""
+    within = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return torch.cat([h * head_dim + within for h in range(num_heads)])
+
+
+def _copy_linear(ours, ref, rows=None):
+    weight, bias = ref.weight.detach(), None if ref.bias is None else ref.bias.detach()
+    if rows is not None:
+        weight = weight[rows]
+        bias = None if bias is None else bias[rows]
+    if (bias is None) != (ours.bias is None):
+        raise ValueError(f"Bias mismatch converting {ref}: reference bias={ref.bias is not None}.")
+    ours.weight.copy_(weight)
+    if bias is not None:
+        ours.bias.copy_(bias)
+
+
+def _copy_norm(ours, ref):
+    ours.weight.copy_(ref.weight.detach())
+    if getattr(ref, "bias", None) is not None:
+        ours.bias.copy_(ref.bias.detach())
+    ours.eps = getattr(ref, "eps", getattr(ours, "eps", None))
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+def dual_attention_kwargs(ref_dual_attn, pos_enc_rope: bool) -> dict:
+    """DualAttentionConfig fields describing a reference `DualAttention` module."""
+    sa = getattr(ref_dual_attn, "self_attention", None) if ref_dual_attn.use_self_attn else None
+    ra = getattr(ref_dual_attn, "relational_attention", None) if ref_dual_attn.use_rel_attn else None
+    if ref_dual_attn.ra_type != "relational_attention":
+        raise ValueError(f"ra_type={ref_dual_attn.ra_type!r} is not supported (only 'relational_attention').")
+    kwargs = dict(
+        num_sensory_heads=ref_dual_attn.n_heads_sa,
+        num_relational_heads=ref_dual_attn.n_heads_ra,
+        share_attention_params=ref_dual_attn.share_attn_params,
+        attention_dropout=ref_dual_attn.dropout,
+    )
+    bias_kv, bias_out = set(), set()
+    for module in (sa, ra):
+        if module is None:
+            continue
+        if module.key_dim != module.head_dim:
+            raise ValueError(f"key_dim={module.key_dim} != head_dim={module.head_dim} is not supported.")
+        bias_kv.add(module.add_bias_kv)
+        bias_out.add(module.add_bias_out)
+    if len(bias_kv) > 1 or len(bias_out) > 1:
+        raise ValueError("Sensory and relational heads with different bias settings are not supported.")
+    kwargs.update(attention_bias=bias_kv.pop(), attention_out_bias=bias_out.pop())
+    if sa is not None:
+        kwargs["num_sensory_key_value_heads"] = sa.n_kv_heads
+    if ra is not None:
+        kwargs.update(
+            num_relational_key_value_heads=ra.n_kv_heads,
+            num_relations=ra.n_relations,
+            relation_dim=ra.rel_proj_dim,
+            relation_activation=_activation(ra.rel_activation),
+            symmetric_relations=ra.symmetric_rels,
+        )
+    return kwargs
+
+
+def symbol_retriever_kwargs(ref_retrievers, n_layers: int, symbol_retrieval: str, ref_config: dict) -> dict:
+    """DualAttentionConfig symbol fields from the reference's list of (possibly repeated) retrievers."""
+    first = ref_retrievers[0]
+    shared = all(r is first for r in ref_retrievers)
+    kwargs = dict(symbol_retrieval=REFERENCE_SYMBOLS[symbol_retrieval], shared_symbol_retriever=shared,
+                  tie_symbol_library=bool(ref_config.get("weight_tie_symbol_library", False)) and not shared)
+    name = type(first).__name__
+    if name == "SymbolicAttention":
+        kwargs.update(num_symbols=first.n_symbols, symbolic_attention_heads=first.n_heads,
+                      symbolic_attention_scale=first.scale, trainable_symbols=first.trainable_symbols,
+                      symbol_dropout=first.dropout)
+    elif name == "PositionalSymbolRetriever":
+        kwargs.update(max_symbol_positions=first.max_length)
+    elif name == "PositionRelativeSymbolRetriever":
+        kwargs.update(max_relative_position=first.max_rel_pos)
+    else:
+        raise ValueError(f"Unsupported reference symbol retriever {name}.")
+    return kwargs
+
+
+# ---- weights -----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_symbol_retrievers(ours, ref_retrievers):
+    """Copy reference retriever weights into a dat_hf `SymbolRetrievers`."""
+    refs = [ref_retrievers[0]] if ours.shared else list(ref_retrievers)
+    for i, (mine, ref) in enumerate(zip(ours.retrievers, refs)):
+        name = type(ref).__name__
+        if name == "SymbolicAttention":
+            _copy_linear(mine.q_proj, ref.q_proj)
+            mine.template_features.copy_(ref.template_features.detach())
+            if hasattr(mine, "symbol_library"):
+                mine.symbol_library.copy_(ref.symbol_library.detach())
+        elif name == "PositionalSymbolRetriever":
+            if hasattr(mine, "symbol_library"):
+                mine.symbol_library.copy_(ref.symbol_library.weight.detach())
+        else:
+            mine.rel_pos_embeddings.copy_(ref.rel_pos_enc.rel_pos_embeddings.detach())
+
+
+@torch.no_grad()
+def load_dual_attention(ours, ref, rope: bool):
+    """Copy a reference `DualAttention` into a dat_hf `DualAttention` (RoPE rows permuted when `rope`)."""
+    hd = ours.config.head_dim
+    if ours.relational is not None:
+        mine, theirs = ours.relational, ref.relational_attention
+        q_rows = rope_permutation(mine.num_heads, hd) if rope else None
+        k_rows = rope_permutation(mine.num_kv_heads, hd) if rope else None
+        _copy_linear(mine.q_attn_proj, theirs.wq_attn, q_rows)
+        _copy_linear(mine.k_attn_proj, theirs.wk_attn, k_rows)
+        _copy_linear(mine.q_rel_proj, theirs.wq_rel)
+        if hasattr(mine, "k_rel_proj"):
+            _copy_linear(mine.k_rel_proj, theirs.wk_rel)
+        _copy_linear(mine.symbol_proj, theirs.wv)
+        mine.relation_proj.copy_(theirs.wr.detach())
+        _copy_linear(mine.o_proj, theirs.wo)
+    if ours.sensory is not None:
+        mine, theirs = ours.sensory, ref.self_attention
+        if hasattr(mine, "q_proj"):
+            _copy_linear(mine.q_proj, theirs.wq, rope_permutation(mine.num_heads, hd) if rope else None)
+            _copy_linear(mine.k_proj, theirs.wk, rope_permutation(mine.num_kv_heads, hd) if rope else None)
+        _copy_linear(mine.v_proj, theirs.wv)
+        _copy_linear(mine.o_proj, theirs.wo)
+
+
+@torch.no_grad()
+def load_feed_forward(ours, ref):
+    if ours.gated:
+        _copy_linear(ours.gate_proj, ref.linear1)
+        _copy_linear(ours.up_proj, ref.linear3)
+    else:
+        _copy_linear(ours.up_proj, ref.linear1)
+    _copy_linear(ours.down_proj, ref.linear2)
+
+
+@torch.no_grad()
+def load_encoder_block(ours, ref, rope: bool):
+    """Copy a reference `DualAttnEncoderBlock` into a dat_hf `DATDecoderLayer`."""
+    _copy_norm(ours.input_layernorm, ref.norm1)
+    _copy_norm(ours.post_attention_layernorm, ref.norm2)
+    load_dual_attention(ours.dual_attn, ref.dual_attn, rope)
+    load_feed_forward(ours.mlp, ref.ff_block)
+
+
+@torch.no_grad()
+def load_transformer_block(ours, ref, rope: bool):
+    """Copy a reference (sensory-only) `EncoderBlock` into a dat_hf `DATDecoderLayer` with 0 relational heads."""
+    _copy_norm(ours.input_layernorm, ref.norm1)
+    _copy_norm(ours.post_attention_layernorm, ref.norm2)
+    mine, theirs = ours.dual_attn.sensory, ref.self_attn
+    hd = ours.dual_attn.config.head_dim
+    _copy_linear(mine.q_proj, theirs.wq, rope_permutation(mine.num_heads, hd) if rope else None)
+    _copy_linear(mine.k_proj, theirs.wk, rope_permutation(mine.num_kv_heads, hd) if rope else None)
+    _copy_linear(mine.v_proj, theirs.wv)
+    _copy_linear(mine.o_proj, theirs.wo)
+    load_feed_forward(ours.mlp, ref.ff_block)
+
+
+def _norm_kwargs(ref_norm) -> dict:
+    is_rms = type(ref_norm).__name__ == "RMSNorm"
+    return dict(norm_type="rmsnorm" if is_rms else "layernorm", norm_eps=float(ref_norm.eps))
+
+
+# ---- language models ---------------------------------------------------------------------------------------------
+def language_model_config(ref, **overrides):
+    """DATConfig for a reference `DualAttnTransformerLM` or `TransformerLM`."""
+    from .configuration_dat import DATConfig
+
+    rope = ref.pos_enc_type == "RoPE"
+    kwargs = dict(
+        vocab_size=ref.vocab_size, hidden_size=ref.d_model, num_hidden_layers=ref.n_layers,
+        intermediate_size=ref.layers.blocks[0].ff_block.dff, hidden_act=_activation(ref.activation),
+        pre_norm=ref.norm_first, max_position_embeddings=ref.block_size,
+        position_embedding_type="rope" if rope else "learned", hidden_dropout=ref.dropout_rate,
+        mlp_bias=ref.layers.blocks[0].ff_block.use_bias, tie_word_embeddings=True,
+        **_norm_kwargs(ref.layers.norm),
+    )
+    if type(ref).__name__.startswith("TransformerLM"):
+        attn = ref.layers.blocks[0].self_attn
+        if attn.key_dim != attn.head_dim:
+            raise ValueError(f"key_dim={attn.key_dim} != head_dim={attn.head_dim} is not supported.")
+        kwargs.update(num_sensory_heads=ref.n_heads, num_relational_heads=0, num_sensory_key_value_heads=attn.n_kv_heads,
+                      attention_bias=attn.add_bias_kv, attention_out_bias=attn.add_bias_out,
+                      attention_dropout=ref.dropout_rate)
+    else:
+        kwargs.update(dual_attention_kwargs(ref.layers.blocks[0].dual_attn, rope))
+        if ref.n_heads_ra > 0:
+            kwargs.update(symbol_retriever_kwargs(ref.layers.symbol_retrievers, ref.n_layers, ref.symbol_retriever,
+                                                  ref.symbol_retriever_config))
+    kwargs.update(overrides)
+    return DATConfig(**kwargs)
+
+
+@torch.no_grad()
+def convert_language_model(ref, **overrides):
+    """A dat_hf `DATForCausalLM` with the weights of a reference `DualAttnTransformerLM` / `TransformerLM`."""
+    from .modeling_dat import DATForCausalLM
+
+    config = language_model_config(ref, **overrides)
+    model = DATForCausalLM(config)
+    rope = config.position_embedding_type == "rope"
+    model.model.embed_tokens.weight.copy_(ref.layers.token_embedder.weight.detach())
+    model.lm_head.weight.copy_(ref.layers.final_out.weight.detach())
+    if not rope:
+        model.model.embed_positions.weight.copy_(ref.layers.positional_embedder.weight.detach())
+    is_dat = not type(ref).__name__.startswith("TransformerLM")
+    for ours, theirs in zip(model.model.layers, ref.layers.blocks):
+        (load_encoder_block if is_dat else load_transformer_block)(ours, theirs, rope)
+    if is_dat and config.num_relational_heads > 0:
+        load_symbol_retrievers(model.model.symbol_retrievers, ref.layers.symbol_retrievers)
+    _copy_norm(model.model.norm, ref.layers.norm)
+    return model.eval()
+
+
+# Reference class name -> converter. The vision and seq2seq families add theirs in their own modules.
+CONVERTERS = {
+    "DualAttnTransformerLM": convert_language_model,
+    "DualAttnTransformerLM_HFHub": convert_language_model,
+    "TransformerLM": convert_language_model,
+    "TransformerLM_HFHub": convert_language_model,
+}
+
+
+def _lazy_converters():
+    converters = dict(CONVERTERS)
+    for name in ("conversion_vision", "conversion_seq2seq"):
+        if importlib.util.find_spec(f"{__package__}.{name}") is not None:
+            converters.update(importlib.import_module(f".{name}", __package__).CONVERTERS)
+    return converters
+
+
+def from_reference_model(module, **config_overrides):
+    """Convert a live `dual_attention` model instance into the matching dat_hf model with identical outputs."""
+    converters = _lazy_converters()
+    for cls in type(module).__mro__:
+        if cls.__name__ in converters:
+            return converters[cls.__name__](module, **config_overrides)
+    raise ValueError(
+        f"No dat_hf conversion for {type(module).__name__}; supported: {sorted(converters)}."
+    )
+
+
+__all__ = ["from_reference_model", "convert_checkpoint_folder", "convert_language_model", "language_model_config", "rope_permutation",
+           "load_dual_attention", "load_encoder_block", "load_transformer_block", "load_feed_forward",
+           "load_symbol_retrievers", "dual_attention_kwargs", "symbol_retriever_kwargs", "CONVERTERS"]
+
+
+def convert_checkpoint_folder(input_dir, output_dir, dtype=None):
+    """Convert a folder in the authors' Hub format (`config.json` of constructor kwargs + `model.safetensors`, as
+    written by `dual_attention.hf.DualAttnTransformerLM_HFHub.save_pretrained`) into a dat_hf folder that loads
+    with `AutoModelForCausalLM`. Weights are read with safetensors only (aliased/tied names resolved from its
+    metadata); nothing is unpickled. Needs the `dual-attention` package for the reference classes."""
+    import json
+    import os
+
+    from safetensors.torch import load_model
+
+    from dual_attention.language_models import DualAttnTransformerLM, TransformerLM
+
+    with open(os.path.join(input_dir, "config.json")) as f:
+        kwargs = json.load(f)
+    weights = os.path.join(input_dir, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{weights} not found: only safetensors checkpoints are converted.")
+    reference_cls = DualAttnTransformerLM if "n_heads_ra" in kwargs else TransformerLM
+    reference = reference_cls(**kwargs)
+    missing, unexpected = load_model(reference, weights, strict=False)
+    missing = [k for k in missing if not k.endswith(("freqs_cos", "freqs_sin"))]
+    if missing or unexpected:
+        raise ValueError(f"Checkpoint does not match {reference_cls.__name__}: missing {missing}, "
+                         f"unexpected {unexpected}.")
+    model = from_reference_model(reference.eval())
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(output_dir)
+    return model

@@ -1,0 +1,33 @@
+"""Shared test setup: offline Hub, few threads (tiny models train much faster on 2 cores), tiny configs."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import dat_hf  # noqa: E402,F401  (registers the Auto classes)
+from dat_hf import DATConfig  # noqa: E402
+
+
+def tiny_config(**overrides) -> DATConfig:
+    """A tiny DAT language model config (d=32, 2 layers, 2+2 heads) for fast tests."""
+    kwargs = dict(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2, num_relational_heads=2,
+        intermediate_size=64, num_symbols=8, symbolic_attention_heads=2, max_position_embeddings=64,
+        max_relative_position=8,
+    )
+    kwargs.update(overrides)
+    return DATConfig(**kwargs)
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config
