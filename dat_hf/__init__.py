@@ -3,10 +3,34 @@
 `import dat_hf` registers every config and model class with the Auto classes.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageClassification,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+from transformers import AutoModelForSeq2SeqLM
 
-from .configuration_dat import DATConfig, DualAttentionConfig
-from .modeling_dat import DATForCausalLM, DATForSequenceClassification, DATModel, DATPreTrainedModel
+from .configuration_dat import DATConfig, DATEncoderConfig, DualAttentionConfig
+from .modeling_dat import (
+    DATEncoderModel,
+    DATForCausalLM,
+    DATForSequenceClassification,
+    DATForTokenClassification,
+    DATModel,
+    DATPreTrainedModel,
+)
+
+from .configuration_dat_vision import DATVisionConfig
+from .image_processing_dat import DATImageProcessor
+from .modeling_dat_vision import DATForImageClassification, DATVisionModel, DATVisionPreTrainedModel
+
+from .configuration_dat_seq2seq import DATSeq2SeqConfig
+from .modeling_dat_seq2seq import DATForSeq2SeqLM, DATSeq2SeqModel, DATSeq2SeqPreTrainedModel
+from .pipeline_text2text import DATText2TextPipeline  # registers the `dat-text2text` pipeline task
 
 __version__ = "0.1.0"
 
@@ -14,12 +38,36 @@ AutoConfig.register("dat", DATConfig, exist_ok=True)
 AutoModel.register(DATConfig, DATModel, exist_ok=True)
 AutoModelForCausalLM.register(DATConfig, DATForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(DATConfig, DATForSequenceClassification, exist_ok=True)
+AutoConfig.register("dat_encoder", DATEncoderConfig, exist_ok=True)
+AutoModel.register(DATEncoderConfig, DATEncoderModel, exist_ok=True)
+AutoModelForTokenClassification.register(DATEncoderConfig, DATForTokenClassification, exist_ok=True)
 
 # saved folders carry the modeling code (remote code) for every Auto class of the family
 DATConfig.register_for_auto_class("AutoConfig")
 DATModel.register_for_auto_class("AutoModel")
 DATForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 DATForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+DATEncoderConfig.register_for_auto_class("AutoConfig")
+DATEncoderModel.register_for_auto_class("AutoModel")
+DATForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
+
+# vision: ViDAT image classifier and its Pillow-backend image processor (no torchvision needed)
+AutoConfig.register("dat_vision", DATVisionConfig, exist_ok=True)
+AutoModel.register(DATVisionConfig, DATVisionModel, exist_ok=True)
+AutoModelForImageClassification.register(DATVisionConfig, DATForImageClassification, exist_ok=True)
+AutoImageProcessor.register(DATVisionConfig, image_processor_classes={"pil": DATImageProcessor}, exist_ok=True)
+DATVisionConfig.register_for_auto_class("AutoConfig")
+DATVisionModel.register_for_auto_class("AutoModel")
+DATForImageClassification.register_for_auto_class("AutoModelForImageClassification")
+DATImageProcessor.register_for_auto_class("AutoImageProcessor")
+
+# seq2seq: encoder-decoder DAT (see dat_hf.pipeline_text2text for the `dat-text2text` pipeline)
+AutoConfig.register("dat_seq2seq", DATSeq2SeqConfig, exist_ok=True)
+AutoModel.register(DATSeq2SeqConfig, DATSeq2SeqModel, exist_ok=True)
+AutoModelForSeq2SeqLM.register(DATSeq2SeqConfig, DATForSeq2SeqLM, exist_ok=True)
+DATSeq2SeqConfig.register_for_auto_class("AutoConfig")
+DATSeq2SeqModel.register_for_auto_class("AutoModel")
+DATForSeq2SeqLM.register_for_auto_class("AutoModelForSeq2SeqLM")
 
 
 def from_reference_model(module, **kwargs):
@@ -32,9 +80,22 @@ def from_reference_model(module, **kwargs):
 __all__ = [
     "DATConfig",
     "DualAttentionConfig",
+    "DATEncoderConfig",
+    "DATEncoderModel",
+    "DATForTokenClassification",
     "DATModel",
     "DATForCausalLM",
     "DATForSequenceClassification",
     "DATPreTrainedModel",
     "from_reference_model",
+    "DATVisionConfig",
+    "DATVisionModel",
+    "DATVisionPreTrainedModel",
+    "DATForImageClassification",
+    "DATImageProcessor",
+    "DATSeq2SeqConfig",
+    "DATSeq2SeqModel",
+    "DATSeq2SeqPreTrainedModel",
+    "DATForSeq2SeqLM",
+    "DATText2TextPipeline",
 ]

@@ -286,4 +286,40 @@ class DATConfig(DualAttentionConfig):
         super().__post_init__(**kwargs)
 
 
-__all__ = ["DualAttentionConfig", "DATConfig"]
+@strict(accept_kwargs=True)
+class DATEncoderConfig(DualAttentionConfig):
+    r"""Configuration of [`DATEncoderModel`] and [`DATForTokenClassification`]: a bidirectional DAT stack (no causal
+    order imposed), so every relational bias is allowed (`full` by default; `graph` for node classification).
+
+    Args:
+        vocab_size: token vocabulary (inputs may also be `inputs_embeds` or `node_features`).
+        num_node_features: when set, `DATForTokenClassification` accepts `node_features` `[b, n, num_node_features]`
+            and projects them to `hidden_size`.
+        classifier_dropout: dropout before the token classification head.
+
+    Example:
+    ```python
+    >>> from dat_hf import DATEncoderConfig, DATForTokenClassification
+    >>> config = DATEncoderConfig(hidden_size=32, num_sensory_heads=2, num_relational_heads=2, relational_bias="graph",
+    ...                           position_embedding_type="none", num_node_features=34, num_labels=2)
+    >>> model = DATForTokenClassification(config)
+    ```
+    """
+
+    model_type = "dat_encoder"
+    allowed_relational_biases = RELATIONAL_BIASES
+
+    relational_bias: str | list[str] = "full"
+    vocab_size: int = 32000
+    pad_token_id: int | None = None
+    num_node_features: int | None = None
+    classifier_dropout: float = 0.0
+
+    def __post_init__(self, **kwargs):
+        _check_positive("vocab_size", self.vocab_size)
+        _check_positive("num_node_features", self.num_node_features, allow_none=True)
+        _check_probability("classifier_dropout", self.classifier_dropout)
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["DualAttentionConfig", "DATConfig", "DATEncoderConfig"]

@@ -104,8 +104,9 @@ def run_attention(module, config, query, key, value, mask: AttentionMask, output
         scaling=module.scaling, dropout=module.attention_dropout if module.training else 0.0,
         is_causal=mask.is_causal, **kwargs,
     )
-    if mask.row_valid is not None:  # receivers without senders get a zero message
+    if mask.row_valid is not None:  # receivers without senders get a zero message (and report zero weights)
         out = out * mask.row_valid.transpose(1, 2).to(out.dtype)
+        weights = None if weights is None else weights * mask.row_valid.to(weights.dtype)
     return out, weights
 
 
@@ -216,13 +217,20 @@ class RelationalAttention(nn.Module):
         return q, k, symbol_values, q_rel.view(b, n, self.num_relations, self.relation_dim), k_rel
 
     def forward(self, query, key, symbol_values, q_rel, k_rel, mask: AttentionMask, output_attentions=False,
-                **kwargs):
+                relative_position_index=None, **kwargs):
+        """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
+        each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
         b, q_len = query.shape[0], query.shape[2]
         if self.uses_fused_path and not output_attentions:
             # values = [symbol values | relation keys]: sum_j a_ij k_rel_j rides along the symbols in one kernel
             kv_len = key.shape[2]
             k_rel_heads = k_rel[:, None].expand(b, self.num_kv_heads, kv_len, k_rel.shape[-1])
             value = torch.cat([symbol_values, k_rel_heads], dim=-1)
+            if self.config._attn_implementation == "sdpa" and value.shape[-1] != query.shape[-1]:
+                # fused SDPA kernels need equal query/value widths (else a math fallback materialises the n x n
+                # weights): zero-padding queries and keys leaves every score unchanged
+                pad = value.shape[-1] - query.shape[-1]
+                query, key = nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
             out, weights = run_attention(self, self.config, query, key, value, mask, **kwargs)
             attended_symbols, attended_keys = out.split([self.head_dim, k_rel.shape[-1]], dim=-1)
             attended_keys = attended_keys.reshape(b, q_len, self.num_heads, self.num_relations, self.relation_dim)
@@ -231,16 +239,18 @@ class RelationalAttention(nn.Module):
             relations = None
         else:
             attended_symbols, attended_relations, weights, relations = self._blocked_attention(
-                query, key, symbol_values, q_rel, k_rel, mask, output_attentions
+                query, key, symbol_values, q_rel, k_rel, mask, output_attentions, relative_position_index
             )
         # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
         out = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, self.relation_proj.to(query.dtype))
         if mask.row_valid is not None:
             out = out * mask.row_valid.transpose(1, 2).to(out.dtype)
+            weights = None if weights is None else weights * mask.row_valid.to(weights.dtype)
         return self.o_proj(out.reshape(b, q_len, -1)), weights, relations
 
     # ---- blocked path ------------------------------------------------------------------------------------------
-    def _blocked_attention(self, query, key, symbol_values, q_rel, k_rel, mask, output_attentions):
+    def _blocked_attention(self, query, key, symbol_values, q_rel, k_rel, mask, output_attentions,
+                           relative_position_index=None):
         b, h, q_len, _ = query.shape
         kv_len = key.shape[2]
         key = repeat_kv(key, self.num_key_value_groups)
@@ -256,22 +266,25 @@ class RelationalAttention(nn.Module):
         for start in range(0, q_len, block):
             end = min(q_len, start + block)
             block_mask = None if full_mask is None else full_mask[:, :, start:end]
+            block_index = None if relative_position_index is None else relative_position_index[start:end]
             args = (query[:, :, start:end], key, symbol_values, q_rel[:, start:end], k_rel, block_mask,
                     kv_len - q_len + start)
             if use_checkpoint:  # keep training memory linear in the sequence length
                 outputs.append(torch.utils.checkpoint.checkpoint(
-                    self._attend_block, *args, output_attentions, use_reentrant=False))
+                    self._attend_block, *args, output_attentions, block_index, use_reentrant=False))
             else:
-                outputs.append(self._attend_block(*args, output_attentions))
+                outputs.append(self._attend_block(*args, output_attentions, block_index))
         symbols_out, relations_out, weights, relations = (
             torch.cat(parts, dim=1 if i < 2 else 2) if parts[0] is not None else None
             for i, parts in enumerate(zip(*outputs))
         )
         return symbols_out, relations_out, weights, relations
 
-    def _attend_block(self, query, key, symbol_values, q_rel, k_rel, block_mask, q_offset, output_attentions):
+    def _attend_block(self, query, key, symbol_values, q_rel, k_rel, block_mask, q_offset, output_attentions,
+                      relative_index=None):
         """One block of receivers: query `[b, h, q, d_h]` -> attended symbols `[b, q, h, d_h]`, attended relations
-        `[b, q, h, R]` (+ weights `[b, h, q, kv]`, relations `[b, R, q, kv]` when asked)."""
+        `[b, q, h, R]` (+ weights `[b, h, q, kv]`, relations `[b, R, q, kv]` when asked). `relative_index` (long
+        `[q, kv]`, optional) gives each pair's row of the position-relative table instead of the 1-D offset."""
         scores = torch.matmul(query, key.transpose(2, 3)) * self.scaling
         if block_mask is not None:
             scores = scores + block_mask
@@ -282,8 +295,11 @@ class RelationalAttention(nn.Module):
             q_len, kv_len, clip = query.shape[2], key.shape[2], self.config.max_relative_position
             offsets = torch.arange(kv_len, device=query.device)[None] - (
                 torch.arange(q_len, device=query.device)[:, None] + q_offset)
-            index = (offsets.clamp(-clip, clip) + clip).expand_as(weights)
-            binned = weights.new_zeros(*weights.shape[:3], 2 * clip + 1).scatter_add_(-1, index, weights)
+            index = offsets.clamp(-clip, clip) + clip
+            if relative_index is not None:  # precomputed bins (e.g. 2-D grid offsets), table of any size
+                index = relative_index.to(query.device)
+            index = index.expand_as(weights)
+            binned = weights.new_zeros(*weights.shape[:3], symbol_values.shape[0]).scatter_add_(-1, index, weights)
             attended_symbols = torch.einsum("bhqk,khd->bqhd", binned, symbol_values)
         else:
             attended_symbols = torch.matmul(weights, symbol_values).transpose(1, 2)
@@ -319,8 +335,9 @@ class DualAttention(nn.Module):
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
-                past_key_values=None, output_attentions=False, **kwargs):
-        """hidden_states `[b, n, d]` -> `[b, n, d]`."""
+                past_key_values=None, output_attentions=False, relative_position_index=None, **kwargs):
+        """hidden_states `[b, n, d]` -> `[b, n, d]`. `relative_position_index` (long `[n, n]`, optional): rows of the
+        position-relative symbol table per (receiver, sender) pair (see `RelationalAttention.forward`)."""
         b, n, _ = hidden_states.shape
         keys, values = [], []
         if self.relational is not None:
@@ -357,7 +374,8 @@ class DualAttention(nn.Module):
             outputs.append(out_s)
         if self.relational is not None:
             out_r, _, _ = self.relational(q_r, k_r, sv, q_rel, k_rel, relational_mask,
-                                          output_attentions=output_attentions, **kwargs)
+                                          output_attentions=output_attentions,
+                                          relative_position_index=relative_position_index, **kwargs)
             outputs.append(out_r)
         return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 

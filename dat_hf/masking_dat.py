@@ -41,7 +41,16 @@ def _window_function(window: int, two_sided: bool):
     return window_fn
 
 
-def _sparse_function(config, device):
+def _token_positions(attention_mask):
+    """Each token's index among the real tokens of its row (`[b, kv]`), so that padding does not move a fixed graph;
+    None without a 2-D padding mask (cache indices are then the positions)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return None
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _sparse_function(config, device, positions=None):
+    """The fixed `sparse` graph over token positions (real tokens only: padding never shifts it)."""
     block, n_global = config.sparse_block_size, config.sparse_global_tokens
     edges = None
     if config.sparse_edges:
@@ -51,6 +60,8 @@ def _sparse_function(config, device):
         edges[index[:, 0], index[:, 1]] = True
 
     def sparse_fn(batch_idx, head_idx, q_idx, kv_idx):
+        if positions is not None:
+            q_idx, kv_idx = positions[batch_idx, q_idx], positions[batch_idx, kv_idx]
         allowed = q_idx == kv_idx
         if block is not None:
             allowed = allowed | (torch.div(q_idx, block, rounding_mode="floor") == torch.div(kv_idx, block, rounding_mode="floor"))
@@ -116,12 +127,13 @@ def build_attention_mask(
     if bias in ("sliding_window", "sliding_window_bidirectional"):
         and_fn = _window_function(config.sliding_window_size, two_sided=bias == "sliding_window_bidirectional")
     elif bias == "sparse":
-        and_fn = _sparse_function(config, inputs_embeds.device)
+        and_fn = _sparse_function(config, inputs_embeds.device, _token_positions(attention_mask))
     elif bias == "graph":
         and_fn = _graph_function(graph_adjacency)
     elif bias not in ("full", "causal"):
         raise ValueError(f"Unknown relational bias {bias!r}.")
-    if causal and bias != "full":
+    # `causal` and `sliding_window` are ordered graphs in any model (also bidirectional encoders)
+    if bias in ("causal", "sliding_window") or (causal and bias != "full"):
         mask = create_causal_mask(
             config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
             past_key_values=past_key_values, position_ids=position_ids, and_mask_function=and_fn,

@@ -24,13 +24,14 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
 )
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_dat import DATConfig
+from .configuration_dat import DATConfig, DATEncoderConfig
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, SensoryAttention
 from .masking_dat import build_masks, check_graph_adjacency
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
@@ -269,6 +270,13 @@ class DATModel(DATPreTrainedModel):
 
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
+            # each layer's cache packs keys and values of different widths (see DualAttention), which fixed-shape
+            # caches cannot hold
+            raise ValueError(
+                f"DAT models need a `DynamicCache`, got {type(past_key_values).__name__} (e.g. "
+                "`cache_implementation='static'` is not supported)."
+            )
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
         if position_ids is None:
@@ -461,6 +469,89 @@ class DATForSequenceClassification(DATPreTrainedModel):
         )
 
 
+# ---- bidirectional stack (every relational bias; `graph` for node classification) ---------------------------------
+ENCODER_AUTO_CLASSES = {
+    "AutoConfig": "configuration_dat.DATEncoderConfig",
+    "AutoModel": "modeling_dat.DATEncoderModel",
+    "AutoModelForTokenClassification": "modeling_dat.DATForTokenClassification",
+}
+
+
+class DATEncoderModel(DATModel):
+    """The bidirectional DAT stack: no causal order is imposed, so `full`, `sliding_window_bidirectional`, `sparse`
+    and `graph` biases see both directions (`causal` and `sliding_window` stay ordered). input_ids `[b, n]` (or
+    inputs_embeds `[b, n, d]`) -> last_hidden_state `[b, n, d]`."""
+
+    config: DATEncoderConfig
+    is_causal = False
+    auto_classes = ENCODER_AUTO_CLASSES
+
+
+@dataclass
+class DATTokenClassifierOutput(TokenClassifierOutput):
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+class DATForTokenClassification(DATPreTrainedModel):
+    """Classifies every token (node) from a bidirectional DAT stack: the GAT use case with `relational_bias='graph'`.
+
+    input_ids `[b, n]`, inputs_embeds `[b, n, d]` or node_features `[b, n, num_node_features]` (with
+    `config.num_node_features`), plus graph_adjacency `[b, n, n]` for `graph` layers -> logits `[b, n, num_labels]`
+    (cross-entropy loss with `labels` `[b, n]`, -100 = ignored).
+    """
+
+    config: DATEncoderConfig
+    auto_classes = ENCODER_AUTO_CLASSES
+
+    def __init__(self, config: DATEncoderConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = DATEncoderModel(config)
+        self.node_proj = nn.Linear(config.num_node_features, config.hidden_size) if config.num_node_features else None
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        node_features: torch.FloatTensor | None = None,
+        graph_adjacency: torch.BoolTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> DATTokenClassifierOutput:
+        r"""
+        node_features (`torch.FloatTensor` of shape `[batch, n, config.num_node_features]`, *optional*):
+            Node features, projected to `hidden_size` (instead of `input_ids` / `inputs_embeds`).
+        graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
+            Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
+        """
+        if node_features is not None:
+            if self.node_proj is None:
+                raise ValueError("`node_features` needs `config.num_node_features` (the width of the node features).")
+            if input_ids is not None or inputs_embeds is not None:
+                raise ValueError("Give only one of `input_ids`, `inputs_embeds` or `node_features`.")
+            inputs_embeds = self.node_proj(node_features)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, graph_adjacency=graph_adjacency, **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
+        return DATTokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            relational_attentions=outputs.relational_attentions, relations=outputs.relations,
+        )
+
+
 __all__ = [
     "DATPreTrainedModel",
     "DATModel",
@@ -471,4 +562,7 @@ __all__ = [
     "DATRMSNorm",
     "DATModelOutputWithPast",
     "DATCausalLMOutputWithPast",
+    "DATEncoderModel",
+    "DATForTokenClassification",
+    "DATTokenClassifierOutput",
 ]

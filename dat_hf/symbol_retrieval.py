@@ -64,7 +64,10 @@ class PositionRelativeSymbols(nn.Module):
     def __init__(self, config, own_library: bool = True):
         super().__init__()
         self.max_relative_position = config.max_relative_position
-        self.rel_pos_embeddings = nn.Parameter(torch.empty(2 * config.max_relative_position + 1, config.hidden_size))
+        rows = 2 * config.max_relative_position + 1
+        if getattr(config, "relative_symbols_2d", False):  # (dy, dx) grid offsets, plus one row for a CLS token
+            rows = rows * rows + 1
+        self.rel_pos_embeddings = nn.Parameter(torch.empty(rows, config.hidden_size))
 
     def forward(self, hidden_states, position_ids=None, symbol_library=None):
         return self.rel_pos_embeddings.to(hidden_states.dtype)

@@ -157,3 +157,14 @@ def test_convert_rejects_mismatched_checkpoint(tmp_path):
 def test_unsupported_reference_is_a_clear_error():
     with pytest.raises(ValueError, match="No dat_hf conversion"):
         dat_hf.from_reference_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["symbolic-rope-swiglu-layernorm-prenorm", "gqa-nrel8-symmetric",
+                                  "position-relative-symbols"])
+def test_parity_with_eager_attention(name):
+    torch.manual_seed(11)
+    reference = DualAttnTransformerLM(**CONFIGS[name]).eval()
+    ours = dat_hf.from_reference_model(reference)
+    ours.set_attn_implementation("eager")
+    assert ours.config._attn_implementation == "eager"
+    assert _logits_close(reference, ours) < 1e-5

@@ -1,0 +1,225 @@
+"""Configuration of the encoder-decoder Dual Attention Transformer (`model_type="dat_seq2seq"`).
+
+One set of dual-attention fields (heads, symbols, relations, feed-forward, norms) describes both stacks, as in the
+reference `Seq2SeqDualAttnTransformer`; the encoder and decoder differ in depth, attention graph, positions and
+vocabulary. The decoder depth is `num_hidden_layers` (alias `decoder_layers`), so `DynamicCache(config=...)` and
+`EncoderDecoderCache` size themselves from it.
+"""
+
+from huggingface_hub.dataclasses import strict
+
+from .configuration_dat import (
+    CAUSAL_BIASES,
+    POSITION_EMBEDDINGS,
+    RELATIONAL_BIASES,
+    DualAttentionConfig,
+    _check_choice,
+    _check_positive,
+)
+
+CROSS_ATTENTION_TYPES = ("sensory", "dual")
+
+
+@strict(accept_kwargs=True)
+class DATSeq2SeqConfig(DualAttentionConfig):
+    r"""Configuration of [`DATSeq2SeqModel`] and [`DATForSeq2SeqLM`]: a bidirectional DAT encoder and a causal DAT
+    decoder with cross-attention to the encoder.
+
+    The inherited [`DualAttentionConfig`] fields apply to both stacks; `num_hidden_layers`, `relational_bias`,
+    `relational_heads_bias`, `position_embedding_type` and `max_position_embeddings` describe the decoder.
+
+    Args:
+        encoder_layers: depth of the encoder.
+        num_hidden_layers (alias `decoder_layers`): depth of the decoder.
+        vocab_size: target (decoder) vocabulary; also the size of the LM head.
+        encoder_vocab_size: source vocabulary (None = `vocab_size`).
+        share_embeddings: encoder and decoder share one token embedding (needs equal vocabularies).
+        tie_word_embeddings: the LM head shares the decoder's token embedding.
+        encoder_relational_bias: attention graph of the encoder's heads (a string, or one per encoder layer; any bias
+            in `RELATIONAL_BIASES`, `full` by default). The decoder's `relational_bias` must be a causal one.
+        encoder_position_embedding_type: `rope`, `learned` or `none` for the source (None = `position_embedding_type`).
+            With `none` and symbolic-attention symbols the encoder is permutation-equivariant.
+        encoder_max_position_embeddings: longest source (None = `max_position_embeddings`); longer sources raise.
+        cross_attention: `sensory` (standard multi-head cross-attention, as in the reference) or `dual` (sensory
+            cross heads beside relational cross heads: target token i attends to source tokens j and receives
+            `sum_j a_ij (r(y_i, x_j) W_r + s_j W_s)`, relations across the encoder/decoder bipartition with the source
+            tokens' symbols `s_j`).
+        num_cross_attention_heads: sensory cross-attention heads (None = all heads `num_sensory_heads +
+            num_relational_heads` for `sensory`, `num_sensory_heads` for `dual`; may be 0 for `dual`).
+        num_cross_relational_heads: relational cross heads of `dual` cross-attention (None = `num_relational_heads`).
+        num_cross_attention_key_value_heads: grouped-query attention for the sensory cross heads (None = MHA).
+        cross_attention_bias / cross_attention_out_bias: bias of the cross key/value and output projections.
+        final_norm: normalize the output of each stack (the reference seq2seq models have no final norm).
+        lm_head_bias: give the LM head a bias (the reference's output layer has one).
+        decoder_start_token_id: first decoder token (`prepare_decoder_input_ids_from_labels` shifts labels right).
+
+    Example:
+    ```python
+    >>> from dat_hf import DATSeq2SeqConfig, DATForSeq2SeqLM
+    >>> config = DATSeq2SeqConfig(vocab_size=64, hidden_size=64, encoder_layers=2, decoder_layers=2,
+    ...                           num_sensory_heads=2, num_relational_heads=2, pad_token_id=0, eos_token_id=1,
+    ...                           decoder_start_token_id=3)
+    >>> model = DATForSeq2SeqLM(config)
+    ```
+    """
+
+    model_type = "dat_seq2seq"
+    keys_to_ignore_at_inference = ["past_key_values", "encoder_last_hidden_state"]
+    attribute_map = {"decoder_layers": "num_hidden_layers"}
+    allowed_relational_biases = CAUSAL_BIASES
+
+    is_encoder_decoder: bool = True
+    encoder_layers: int = 4
+    vocab_size: int = 32000
+    encoder_vocab_size: int | None = None
+    share_embeddings: bool = True
+    tie_word_embeddings: bool = True
+    encoder_relational_bias: str | list[str] = "full"
+    encoder_position_embedding_type: str | None = None
+    encoder_max_position_embeddings: int | None = None
+    cross_attention: str = "sensory"
+    num_cross_attention_heads: int | None = None
+    num_cross_relational_heads: int | None = None
+    num_cross_attention_key_value_heads: int | None = None
+    cross_attention_bias: bool = False
+    cross_attention_out_bias: bool = False
+    final_norm: bool = True
+    lm_head_bias: bool = False
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    decoder_start_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        # `decoder_layers` is an alias of `num_hidden_layers`: apply it before validation
+        if "decoder_layers" in kwargs:
+            self.num_hidden_layers = kwargs.pop("decoder_layers")
+        self.validate_seq2seq()
+        super().__post_init__(**kwargs)
+
+    # ---- derived sizes -------------------------------------------------------------------------------------------
+    @property
+    def source_vocab_size(self) -> int:
+        return self.encoder_vocab_size or self.vocab_size
+
+    @property
+    def encoder_position_type(self) -> str:
+        return self.encoder_position_embedding_type or self.position_embedding_type
+
+    @property
+    def encoder_max_positions(self) -> int:
+        return self.encoder_max_position_embeddings or self.max_position_embeddings
+
+    @property
+    def cross_sensory_heads(self) -> int:
+        if self.num_cross_attention_heads is not None:
+            return self.num_cross_attention_heads
+        return self.num_attention_heads if self.cross_attention == "sensory" else self.num_sensory_heads
+
+    @property
+    def cross_relational_heads(self) -> int:
+        if self.cross_attention != "dual":
+            return 0
+        return self.num_relational_heads if self.num_cross_relational_heads is None else self.num_cross_relational_heads
+
+    @property
+    def cross_head_dim(self) -> int:
+        return self.hidden_size // (self.cross_sensory_heads + self.cross_relational_heads)
+
+    @property
+    def decoder_uses_symbols(self) -> bool:
+        """Whether the decoder needs a symbol retriever (its own relational heads, or `dual` cross-attention)."""
+        return self.num_relational_heads > 0 or self.cross_relational_heads > 0
+
+    def encoder_layer_bias(self, layer_idx: int) -> str:
+        bias = self.encoder_relational_bias
+        return bias[layer_idx] if isinstance(bias, list) else bias
+
+    # ---- validation ----------------------------------------------------------------------------------------------
+    def validate_seq2seq(self):
+        """Raise a ValueError naming the field for every invalid seq2seq value or combination."""
+        _check_positive("vocab_size", self.vocab_size)
+        _check_positive("encoder_layers", self.encoder_layers)
+        _check_positive("encoder_vocab_size", self.encoder_vocab_size, allow_none=True)
+        _check_positive("encoder_max_position_embeddings", self.encoder_max_position_embeddings, allow_none=True)
+        if self.encoder_position_embedding_type is not None:
+            _check_choice("encoder_position_embedding_type", self.encoder_position_embedding_type, POSITION_EMBEDDINGS)
+        _check_choice("cross_attention", self.cross_attention, CROSS_ATTENTION_TYPES)
+        if self.share_embeddings and self.encoder_vocab_size not in (None, self.vocab_size):
+            raise ValueError(
+                f"`share_embeddings=True` needs `encoder_vocab_size` ({self.encoder_vocab_size}) == `vocab_size` "
+                f"({self.vocab_size}); set `share_embeddings=False` for separate vocabularies."
+            )
+        for name in ("num_cross_attention_heads", "num_cross_relational_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
+        _check_positive("num_cross_attention_key_value_heads", self.num_cross_attention_key_value_heads, allow_none=True)
+        if self.cross_attention == "sensory":
+            if self.num_cross_relational_heads:
+                raise ValueError(
+                    f"`num_cross_relational_heads` ({self.num_cross_relational_heads}) needs `cross_attention='dual'`."
+                )
+            if self.cross_sensory_heads == 0:
+                raise ValueError("`num_cross_attention_heads` must be at least 1 with `cross_attention='sensory'`.")
+        else:
+            if self.cross_relational_heads == 0:
+                raise ValueError(
+                    "`cross_attention='dual'` needs relational cross heads: set `num_cross_relational_heads` >= 1 "
+                    "(it defaults to `num_relational_heads`, which is 0)."
+                )
+            if self.symbol_retrieval == "position_relative":
+                raise ValueError(
+                    "`cross_attention='dual'` is not available with `symbol_retrieval='position_relative'` (source and "
+                    "target positions have no common offset); use 'symbolic_attention' or 'positional'."
+                )
+        total = self.cross_sensory_heads + self.cross_relational_heads
+        if isinstance(self.hidden_size, int) and self.hidden_size % total != 0:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by the number of cross-attention heads "
+                f"`num_cross_attention_heads` + `num_cross_relational_heads` ({total})."
+            )
+        kv = self.num_cross_attention_key_value_heads
+        if kv is not None and self.cross_sensory_heads % kv != 0:
+            raise ValueError(
+                f"`num_cross_attention_heads` ({self.cross_sensory_heads}) must be divisible by "
+                f"`num_cross_attention_key_value_heads` ({kv})."
+            )
+        if self.cross_relational_heads > 0 and self.relation_dim is None:
+            cross_total = self.cross_head_dim * self.cross_relational_heads
+            relations = self.num_relations or self.cross_relational_heads
+            if cross_total % relations != 0:
+                raise ValueError(
+                    f"`num_relations` ({relations}) must divide num_cross_relational_heads * cross head dim "
+                    f"({cross_total}) when `relation_dim` is not given."
+                )
+        enc_pos = self.encoder_position_type
+        if enc_pos == "rope" and isinstance(self.hidden_size, int) and (self.hidden_size // max(self.num_attention_heads, 1)) % 2:
+            raise ValueError("RoPE in the encoder needs an even head dimension (`encoder_position_embedding_type`).")
+        bias = self.encoder_relational_bias
+        values = bias if isinstance(bias, list) else [bias]
+        if isinstance(bias, list) and len(bias) != self.encoder_layers:
+            raise ValueError(
+                f"`encoder_relational_bias` has {len(bias)} entries but `encoder_layers` is {self.encoder_layers}."
+            )
+        for value in values:
+            if value not in RELATIONAL_BIASES:
+                raise ValueError(f"`encoder_relational_bias` entries must be in {list(RELATIONAL_BIASES)}, got {value!r}.")
+            if value == "graph":
+                raise ValueError("`encoder_relational_bias='graph'` is not supported by the seq2seq model.")
+            if value.startswith("sliding_window") and self.sliding_window_size is None:
+                raise ValueError(f"`encoder_relational_bias`={value!r} needs `sliding_window_size` to be set.")
+            if value == "sparse" and self.sparse_block_size is None and self.sparse_edges is None:
+                raise ValueError("`encoder_relational_bias`='sparse' needs `sparse_block_size` or `sparse_edges`.")
+        for name in ("relational_bias", "relational_heads_bias"):
+            decoder_bias = getattr(self, name)
+            if decoder_bias is not None and "graph" in (decoder_bias if isinstance(decoder_bias, list) else [decoder_bias]):
+                raise ValueError(f"`{name}='graph'` is not supported by the seq2seq decoder.")
+        for name in ("pad_token_id", "decoder_start_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
+                raise ValueError(f"`{name}` must be a token id in [0, vocab_size={self.vocab_size}), got {value!r}.")
+
+
+__all__ = ["DATSeq2SeqConfig"]

@@ -1,0 +1,762 @@
+"""Encoder-decoder Dual Attention Transformer: DATSeq2SeqModel and DATForSeq2SeqLM.
+
+    encoder layer:  x += DualAttention(norm(x), s(x))            bidirectional (any relational bias, `full` default)
+                    x += MLP(norm(x))
+    decoder layer:  y += DualAttention(norm(y), s(y))            causal, cached in the self-attention cache
+                    y += CrossAttention(norm(y), x_enc)          `sensory`: multi-head attention to the source;
+                                                                 `dual`: + relational heads across the bipartition,
+                                                                   sum_j a_ij (r(y_i, x_j) W_r + s(x_j) W_s)
+                    y += MLP(norm(y))
+
+Cross-attention keys/values (and, for `dual`, relation keys and source symbol values) are computed once per
+generation and kept in the cross-attention half of an `EncoderDecoderCache` (`is_updated[layer]`).
+The encoder and decoder stacks share the config's dual-attention fields, read through small config views that
+override the per-stack fields (depth, attention graph, positions, cross-attention head counts).
+"""
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .configuration_dat import DualAttentionConfig
+from .configuration_dat_seq2seq import DATSeq2SeqConfig
+from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, SensoryAttention
+from .masking_dat import build_cross_attention_mask, build_masks
+from .modeling_dat import (
+    DATMLP,
+    DATDecoderLayer,
+    DATModel,
+    DATPreTrainedModel,
+    attentions_imply_relations,
+    make_norm,
+)
+from .symbol_retrieval import SymbolRetrievers
+
+
+class StackConfig:
+    """A read-only view of a `DATSeq2SeqConfig` with some fields overridden (one stack's depth, attention graph,
+    positions, or the cross-attention's head counts). Properties and methods of the DAT config classes (`head_dim`,
+    `layer_bias`, ...) are evaluated on the view, everything else (e.g. `_attn_implementation`) is read live from the
+    model's config."""
+
+    def __init__(self, base, **overrides):
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_overrides", overrides)
+
+    def __getattr__(self, name):
+        overrides = object.__getattribute__(self, "_overrides")
+        if name in overrides:
+            return overrides[name]
+        base = object.__getattribute__(self, "_base")
+        for cls in type(base).__mro__:
+            if cls is DualAttentionConfig.__mro__[1]:  # stop at PreTrainedConfig
+                break
+            if name in cls.__dict__:
+                attr = cls.__dict__[name]
+                if isinstance(attr, property):
+                    return attr.fget(self)
+                if inspect.isfunction(attr):
+                    return attr.__get__(self)
+                break
+        return getattr(base, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("StackConfig is read-only; change the model's config instead.")
+
+
+def encoder_stack_config(config: DATSeq2SeqConfig) -> StackConfig:
+    return StackConfig(
+        config,
+        num_hidden_layers=config.encoder_layers,
+        relational_bias=config.encoder_relational_bias,
+        relational_heads_bias=None,
+        position_embedding_type=config.encoder_position_type,
+        max_position_embeddings=config.encoder_max_positions,
+    )
+
+
+def cross_attention_config(config: DATSeq2SeqConfig) -> StackConfig:
+    return StackConfig(
+        config,
+        num_sensory_heads=config.cross_sensory_heads,
+        num_relational_heads=config.cross_relational_heads,
+        num_sensory_key_value_heads=config.num_cross_attention_key_value_heads,
+        num_relational_key_value_heads=None,
+        share_attention_params=False,
+        attention_bias=config.cross_attention_bias,
+        attention_out_bias=config.cross_attention_out_bias,
+    )
+
+
+def decoder_symbol_config(config: DATSeq2SeqConfig) -> StackConfig | DATSeq2SeqConfig:
+    """The decoder's retrievers also give `dual` cross-attention its source symbols: positional symbols then need
+    room for source positions."""
+    if config.cross_relational_heads > 0 and config.max_symbol_positions is None:
+        return StackConfig(config, max_symbol_positions=max(config.max_position_embeddings, config.encoder_max_positions))
+    return config
+
+
+def source_position_ids(attention_mask, batch_size, length, device):
+    """Positions of source tokens (padding-aware, as in the encoder)."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return torch.arange(length, device=device)[None].expand(batch_size, -1)
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int | None, decoder_start_token_id: int | None):
+    """`[start, y_0, ..., y_{n-2}]` from labels `[b, n]` (-100 replaced by the pad token)."""
+    if decoder_start_token_id is None:
+        raise ValueError("`config.decoder_start_token_id` must be set to build `decoder_input_ids` from `labels`.")
+    shifted = labels.new_zeros(labels.shape)
+    shifted[:, 1:] = labels[:, :-1].clone()
+    shifted[:, 0] = decoder_start_token_id
+    if (shifted == -100).any():
+        if pad_token_id is None:
+            raise ValueError("`config.pad_token_id` must be set to replace -100 in `labels` when shifting them.")
+        shifted.masked_fill_(shifted == -100, pad_token_id)
+    return shifted
+
+
+@dataclass
+class DATSeq2SeqModelOutput(Seq2SeqModelOutput):
+    """Adds the relational heads' weights and relations of the encoder and the decoder self-attention."""
+
+    encoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    decoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DATSeq2SeqLMOutput(Seq2SeqLMOutput):
+    encoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    decoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DATEncoderOutput(BaseModelOutput):
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DATDecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+class DATCrossAttention(nn.Module):
+    """Decoder-to-encoder attention over the bipartite graph (every target token to every unpadded source token).
+
+    `sensory` heads: softmax(q(y_i) k(x_j)) v(x_j). `dual` adds relational heads: softmax(q(y_i) k(x_j)) weights
+    `r(y_i, x_j) W_r + s_j W_s`, with `r_l(y_i, x_j) = <y_i W_{q,l}, x_j W_{k,l}> / sqrt(d_r)` and the source symbols
+    `s_j`. The query projections see the decoder, the key/value/relation-key/symbol projections the encoder (and its
+    symbols). No positions are applied (the reference's cross-attention has none). hidden_states `[b, n, d]` ->
+    `[b, n, d]`.
+
+    Cache: keys `[b, h_kv_s + h_kv_r, m, d_h]`, values `[b, 1, m, h_kv_s*d_h | h_kv_r*d_h | R*d_r]`.
+    """
+
+    def __init__(self, config: DATSeq2SeqConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        cross_config = cross_attention_config(config)
+        self.head_dim = cross_config.head_dim
+        self.sensory = SensoryAttention(cross_config, layer_idx, is_causal=False) if cross_config.num_sensory_heads else None
+        self.relational = (
+            RelationalAttention(cross_config, layer_idx, is_causal=False) if cross_config.num_relational_heads else None
+        )
+        self.symmetric_relations = config.symmetric_relations
+
+    def _project_queries(self, hidden_states):
+        b, n, _ = hidden_states.shape
+        q_s = q_r = q_rel = None
+        if self.sensory is not None:
+            q_s = self.sensory.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        if self.relational is not None:
+            rel = self.relational
+            q_r = rel.q_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+            q_rel = rel.q_rel_proj(hidden_states).view(b, n, rel.num_relations, rel.relation_dim)
+        return q_s, q_r, q_rel
+
+    def _project_source(self, encoder_hidden_states, source_symbols):
+        """Keys and values of the source: lists of keys `[b, h_kv, m, d_h]` and flat values `[b, m, width]`."""
+        b, m, _ = encoder_hidden_states.shape
+        keys, values = [], []
+        if self.sensory is not None:
+            keys.append(self.sensory.k_proj(encoder_hidden_states).view(b, m, -1, self.head_dim).transpose(1, 2))
+            values.append(self.sensory.v_proj(encoder_hidden_states))
+        if self.relational is not None:
+            rel = self.relational
+            keys.append(rel.k_attn_proj(encoder_hidden_states).view(b, m, -1, self.head_dim).transpose(1, 2))
+            values.append(rel.symbol_proj(source_symbols).expand(b, m, -1))
+            k_rel_proj = rel.q_rel_proj if self.symmetric_relations else rel.k_rel_proj
+            values.append(k_rel_proj(encoder_hidden_states))
+        return keys, values
+
+    def _value_widths(self):
+        widths = []
+        if self.sensory is not None:
+            widths.append(self.sensory.num_kv_heads * self.head_dim)
+        if self.relational is not None:
+            rel = self.relational
+            widths += [rel.num_kv_heads * self.head_dim, rel.num_relations * rel.relation_dim]
+        return widths
+
+    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, past_key_values=None,
+                output_attentions=False, **kwargs):
+        q_s, q_r, q_rel = self._project_queries(hidden_states)
+        cache = past_key_values.cross_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else None
+        if cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            layer = cache.layers[self.layer_idx]
+            key_cache, value_cache = layer.keys, layer.values
+        else:
+            keys, values = self._project_source(encoder_hidden_states, source_symbols)
+            key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
+            value_cache = torch.cat(values, dim=-1)[:, None]
+            if cache is not None:
+                key_cache, value_cache = cache.update(key_cache, value_cache, self.layer_idx)
+                past_key_values.is_updated[self.layer_idx] = True
+        b, _, m, _ = key_cache.shape
+        key_parts = key_cache.split(
+            [module.num_kv_heads for module in (self.sensory, self.relational) if module is not None], dim=1)
+        value_parts = value_cache[:, 0].split(self._value_widths(), dim=-1)
+        outputs = []
+        if self.sensory is not None:
+            v_s = value_parts[0].view(b, m, -1, self.head_dim).transpose(1, 2)
+            out_s, _ = self.sensory(q_s, key_parts[0], v_s, mask, output_attentions=output_attentions, **kwargs)
+            outputs.append(out_s)
+        if self.relational is not None:
+            symbol_values = value_parts[-2].view(b, m, -1, self.head_dim).transpose(1, 2)
+            out_r, _, _ = self.relational(q_r, key_parts[-1], symbol_values, q_rel, value_parts[-1], mask,
+                                          output_attentions=output_attentions, **kwargs)
+            outputs.append(out_r)
+        return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+
+
+class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
+    """Causal dual attention, cross-attention to the encoder, MLP (pre- or post-norm). `[b, n, d]` -> `[b, n, d]`."""
+
+    def __init__(self, config: DATSeq2SeqConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.pre_norm = config.pre_norm
+        self.input_layernorm = make_norm(config)
+        self.dual_attn = DualAttention(config, layer_idx, is_causal=True)
+        self.cross_attention_layernorm = make_norm(config)
+        self.cross_attn = DATCrossAttention(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = DATMLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states, encoder_hidden_states, symbols=None, source_symbols=None,
+                position_embeddings=None, sensory_mask=None, relational_mask=None, cross_mask=None,
+                past_key_values=None, **kwargs):
+        self_cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+
+        def self_attend(x):
+            return self.dropout(self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask,
+                                               self_cache, **kwargs))
+
+        def cross_attend(x):
+            return self.dropout(self.cross_attn(x, encoder_hidden_states, source_symbols, cross_mask, past_key_values,
+                                                **kwargs))
+
+        if self.pre_norm:
+            hidden_states = hidden_states + self_attend(self.input_layernorm(hidden_states))
+            hidden_states = hidden_states + cross_attend(self.cross_attention_layernorm(hidden_states))
+            hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        else:
+            hidden_states = self.input_layernorm(hidden_states + self_attend(hidden_states))
+            hidden_states = self.cross_attention_layernorm(hidden_states + cross_attend(hidden_states))
+            hidden_states = self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
+        return hidden_states
+
+
+class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
+    config: DATSeq2SeqConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DATDecoderLayer", "DATSeq2SeqDecoderLayer"]
+    _can_record_outputs = None
+    # Trainer: the loss is a plain mean over label tokens (no `num_items_in_batch`)
+    accepts_loss_kwargs = False
+
+    auto_classes = {
+        "AutoConfig": "configuration_dat_seq2seq.DATSeq2SeqConfig",
+        "AutoModel": "modeling_dat_seq2seq.DATSeq2SeqModel",
+        "AutoModelForSeq2SeqLM": "modeling_dat_seq2seq.DATForSeq2SeqLM",
+    }
+
+    def _tied_mapping(self) -> dict:
+        return {}
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """Ties follow the config: `share_embeddings` (encoder/decoder token embeddings) and `tie_word_embeddings`
+        (LM head) independently."""
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return self._tied_mapping()
+
+
+class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
+    """The bidirectional DAT encoder. input_ids `[b, m]` -> last_hidden_state `[b, m, d]`."""
+
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(DATDecoderLayer, index=0, num_hidden_layers_key="encoder_layers"),
+        "attentions": OutputRecorder(SensoryAttention, index=1),
+        "relational_attentions": OutputRecorder(RelationalAttention, index=1),
+        "relations": OutputRecorder(RelationalAttention, index=2),
+    }
+
+    def __init__(self, config: DATSeq2SeqConfig):
+        super().__init__(config)
+        stack = encoder_stack_config(config)
+        self.stack_config = stack
+        self.embed_tokens = nn.Embedding(config.source_vocab_size, config.hidden_size, config.pad_token_id)
+        if stack.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(stack.max_position_embeddings, config.hidden_size)
+        elif stack.position_embedding_type == "rope":
+            self.rotary_emb = DATRotaryEmbedding(stack)
+        self.dropout = nn.Dropout(config.embedding_dropout)
+        self.symbol_retrievers = SymbolRetrievers(stack) if config.num_relational_heads > 0 else None
+        self.layers = nn.ModuleList([DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)])
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @attentions_imply_relations
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("The encoder needs exactly one of `input_ids` or `inputs_embeds`.")
+        if input_ids is not None and input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must have shape [batch, source_len], got {list(input_ids.shape)}.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len, _ = inputs_embeds.shape
+        stack = self.stack_config
+        if seq_len > stack.max_position_embeddings:
+            raise ValueError(
+                f"The source has {seq_len} tokens, more than `encoder_max_position_embeddings` = "
+                f"{stack.max_position_embeddings}; truncate it (e.g. `tokenizer(..., truncation=True, "
+                f"max_length={stack.max_position_embeddings})`)."
+            )
+        if attention_mask is not None and attention_mask.dim() == 2 and tuple(attention_mask.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"`attention_mask` must have the shape of the source [batch, source_len] = {[batch_size, seq_len]}, "
+                f"got {list(attention_mask.shape)}."
+            )
+        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
+        for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
+            kwargs.pop(key, None)
+        if position_ids is None:
+            position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, 0, inputs_embeds.device)
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if stack.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        elif stack.position_embedding_type == "rope":
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states = self.dropout(hidden_states)
+
+        layer_biases = [self.config.encoder_layer_bias(i) for i in range(self.config.encoder_layers)]
+        masks = build_masks(layer_biases, self.config, inputs_embeds, attention_mask, causal=False)
+        retrievers = self.symbol_retrievers
+        symbols = None
+        if retrievers is not None and retrievers.shared and retrievers.feature_independent:
+            symbols = retrievers(0, hidden_states, position_ids)
+        for i, layer in enumerate(self.layers):
+            layer_symbols = symbols
+            if retrievers is not None and layer_symbols is None:
+                layer_symbols = retrievers(i, hidden_states, position_ids)
+            mask = masks[layer_biases[i]]
+            hidden_states = layer(hidden_states, layer_symbols, position_embeddings=position_embeddings,
+                                  sensory_mask=mask, relational_mask=mask, output_attentions=output_attentions,
+                                  **kwargs)
+        hidden_states = self.norm(hidden_states)
+        return DATEncoderOutput(last_hidden_state=hidden_states)
+
+
+class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
+    """The causal DAT decoder with cross-attention. decoder input_ids `[b, n]` -> last_hidden_state `[b, n, d]`."""
+
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(DATSeq2SeqDecoderLayer, index=0),
+        "attentions": OutputRecorder(SensoryAttention, index=1, layer_name="dual_attn"),
+        "cross_attentions": OutputRecorder(SensoryAttention, index=1, layer_name="cross_attn"),
+        "relational_attentions": OutputRecorder(RelationalAttention, index=1, layer_name="dual_attn"),
+        "relations": OutputRecorder(RelationalAttention, index=2, layer_name="dual_attn"),
+    }
+
+    def __init__(self, config: DATSeq2SeqConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        elif config.position_embedding_type == "rope":
+            self.rotary_emb = DATRotaryEmbedding(config)
+        self.dropout = nn.Dropout(config.embedding_dropout)
+        self.symbol_retrievers = SymbolRetrievers(decoder_symbol_config(config)) if config.decoder_uses_symbols else None
+        self.layers = nn.ModuleList([DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @attentions_imply_relations
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                position_ids=None, past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("The decoder needs exactly one of `decoder_input_ids` or `decoder_inputs_embeds`.")
+        if encoder_hidden_states is None:
+            raise ValueError("The decoder needs `encoder_hidden_states` (the encoder's output).")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch_size, seq_len, _ = inputs_embeds.shape
+        if encoder_hidden_states.shape[0] != batch_size:
+            raise ValueError(
+                f"Batch size mismatch: {batch_size} target sequences but {encoder_hidden_states.shape[0]} source "
+                "sequences (`decoder_input_ids`/`labels` and `input_ids`/`encoder_outputs` must have the same batch size)."
+            )
+        if encoder_attention_mask is not None and tuple(encoder_attention_mask.shape) != tuple(encoder_hidden_states.shape[:2]):
+            raise ValueError(
+                f"`attention_mask` must have the shape of the source [batch, source_len] = "
+                f"{list(encoder_hidden_states.shape[:2])}, got {list(encoder_attention_mask.shape)}."
+            )
+        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
+        for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
+            kwargs.pop(key, None)
+
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        past_seen = self_cache.get_seq_length() if self_cache is not None else 0
+        DATModel._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
+        if position_ids is None:
+            position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, past_seen,
+                                                          inputs_embeds.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        self._check_positions(position_ids)
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if self.config.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        elif self.config.position_embedding_type == "rope":
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states = self.dropout(hidden_states)
+
+        layer_biases = [
+            (self.config.layer_bias(i, relational=False), self.config.layer_bias(i, relational=True))
+            for i in range(self.config.num_hidden_layers)
+        ]
+        masks = build_masks([bias for pair in layer_biases for bias in pair], self.config, inputs_embeds,
+                            attention_mask, self_cache, position_ids, causal=True)
+        cross_mask = build_cross_attention_mask(self.config, inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+
+        retrievers = self.symbol_retrievers
+        shared_symbols = retrievers is not None and retrievers.shared and retrievers.feature_independent
+        symbols = source_symbols = None
+        needs_source = self.config.cross_relational_heads > 0
+        source_positions = None
+        if needs_source:
+            source_positions = source_position_ids(encoder_attention_mask, batch_size, encoder_hidden_states.shape[1],
+                                                   encoder_hidden_states.device)
+        if shared_symbols:
+            symbols = retrievers(0, hidden_states, position_ids) if self.config.num_relational_heads > 0 else None
+        for i, layer in enumerate(self.layers):
+            layer_symbols = symbols
+            if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:
+                layer_symbols = retrievers(i, hidden_states, position_ids)
+            layer_source_symbols = None
+            if needs_source and not (past_key_values is not None and past_key_values.is_updated.get(i)):
+                # the source tokens' symbols (computed once per generation: they go to the cross-attention cache)
+                layer_source_symbols = retrievers(i, encoder_hidden_states, source_positions)
+            sensory_bias, relational_bias = layer_biases[i]
+            hidden_states = layer(
+                hidden_states,
+                encoder_hidden_states,
+                layer_symbols,
+                layer_source_symbols,
+                position_embeddings=position_embeddings,
+                sensory_mask=masks[sensory_bias],
+                relational_mask=masks[relational_bias],
+                cross_mask=cross_mask,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return DATDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def _check_positions(self, position_ids):
+        limits = []
+        if self.config.position_embedding_type == "learned":
+            limits.append(("max_position_embeddings", self.config.max_position_embeddings, "learned positions"))
+        if self.config.symbol_retrieval == "positional" and self.symbol_retrievers is not None:
+            limits.append(("max_symbol_positions", self.symbol_retrievers.retrievers[0].max_positions,
+                           "positional symbols"))
+        if not limits or torch.compiler.is_compiling():
+            return
+        largest = int(position_ids.max())
+        for field, limit, what in limits:
+            if largest >= limit:
+                raise ValueError(
+                    f"Target position {largest} is out of range for the decoder's {what}: the target (with its cache) "
+                    f"is longer than `{field}` = {limit}."
+                )
+
+
+class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
+    """Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`."""
+
+    _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
+
+    def __init__(self, config: DATSeq2SeqConfig):
+        super().__init__(config)
+        self.encoder = DATSeq2SeqEncoder(config)
+        self.decoder = DATSeq2SeqDecoder(config)
+        self.post_init()
+
+    def _tied_mapping(self):
+        return dict(self._tied_weights_keys) if self.config.share_embeddings else {}
+
+    def get_input_embeddings(self):
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.encoder.embed_tokens = value
+        if self.config.share_embeddings:
+            self.decoder.embed_tokens = value
+
+    def get_encoder(self, modality=None):
+        return self.encoder
+
+    def get_decoder(self):
+        return self.decoder
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        decoder_position_ids: torch.LongTensor | None = None,
+        encoder_outputs: tuple | BaseModelOutput | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        decoder_inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DATSeq2SeqModelOutput:
+        r"""
+        input_ids / inputs_embeds: the source `[b, m]`; attention_mask `[b, m]`: 1 = token, 0 = padding (honoured in
+            the encoder and in cross-attention).
+        decoder_input_ids / decoder_inputs_embeds: the target prefix `[b, n]` (starting with
+            `decoder_start_token_id`); `DATForSeq2SeqLM` builds it from `labels` when absent.
+        encoder_outputs: a precomputed encoder output (skips the encoder).
+        """
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "DATSeq2SeqModel needs `decoder_input_ids` or `decoder_inputs_embeds` (DATForSeq2SeqLM also accepts "
+                "`labels`, from which it builds `decoder_input_ids`)."
+            )
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, **kwargs)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = DATEncoderOutput(
+                last_hidden_state=encoder_outputs[0],
+                hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+                attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
+            )
+        source = input_ids if input_ids is not None else inputs_embeds
+        encoder_hidden = encoder_outputs.last_hidden_state
+        if source is not None and source.shape[0] != encoder_hidden.shape[0]:
+            raise ValueError(
+                f"Batch size mismatch: `input_ids` has {source.shape[0]} sequences but `encoder_outputs` {encoder_hidden.shape[0]}."
+            )
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_hidden,
+            encoder_attention_mask=attention_mask,
+            position_ids=decoder_position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        return DATSeq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_hidden,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+            encoder_relational_attentions=getattr(encoder_outputs, "relational_attentions", None),
+            decoder_relational_attentions=getattr(decoder_outputs, "relational_attentions", None),
+        )
+
+
+class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, GenerationMixin):
+    """DAT encoder-decoder with a language-model head. (input_ids `[b, m]`, decoder_input_ids or labels `[b, n]`) ->
+    logits `[b, n, vocab]`; loss = plain token cross-entropy on `labels` (-100 ignored), which are *not* shifted:
+    `logits[:, t]` predicts `labels[:, t]` (decoder inputs are the labels shifted right)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+
+    def __init__(self, config: DATSeq2SeqConfig):
+        super().__init__(config)
+        self.model = DATSeq2SeqModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.post_init()
+
+    def _tied_mapping(self):
+        if not self.config.tie_word_embeddings:
+            return {}
+        # with shared embeddings, tie to the source of the encoder/decoder tie (one parameter for all three)
+        source = "model.encoder.embed_tokens.weight" if self.config.share_embeddings else "model.decoder.embed_tokens.weight"
+        return {"lm_head.weight": source}
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def get_encoder(self, modality=None):
+        return self.model.encoder
+
+    def get_decoder(self):
+        return self.model.decoder
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
+        """Decoder inputs for `labels` (used by `DataCollatorForSeq2Seq`): labels shifted right behind
+        `decoder_start_token_id`, -100 replaced by `pad_token_id`."""
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        decoder_position_ids: torch.LongTensor | None = None,
+        encoder_outputs: tuple | BaseModelOutput | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        decoder_inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> DATSeq2SeqLMOutput:
+        if labels is not None:
+            if labels.dim() != 2:
+                raise ValueError(f"`labels` must have shape [batch, target_len], got {list(labels.shape)}.")
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "DATForSeq2SeqLM needs `labels` (training: decoder inputs are built by shifting them right) or "
+                "`decoder_input_ids` / `decoder_inputs_embeds`."
+            )
+        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source is not None and source.shape[0] != target.shape[0]:
+            raise ValueError(
+                f"Batch size mismatch: {source.shape[0]} source sequences (`input_ids`) but {target.shape[0]} target "
+                "sequences (`decoder_input_ids`/`labels`)."
+            )
+        if labels is not None and tuple(labels.shape) != tuple(target.shape[:2]):
+            raise ValueError(
+                f"`labels` {list(labels.shape)} must have the shape of the decoder inputs {list(target.shape[:2])}."
+            )
+        outputs: DATSeq2SeqModelOutput = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_position_ids=decoder_position_ids,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            # plain cross-entropy, no shift (self.loss_function would pick the causal-LM loss, which shifts)
+            loss = nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), labels.to(logits.device).reshape(-1), ignore_index=-100
+            )
+        return DATSeq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+            encoder_relational_attentions=outputs.encoder_relational_attentions,
+            decoder_relational_attentions=outputs.decoder_relational_attentions,
+        )
+
+
+__all__ = [
+    "DATSeq2SeqPreTrainedModel",
+    "DATSeq2SeqEncoder",
+    "DATSeq2SeqDecoder",
+    "DATSeq2SeqModel",
+    "DATForSeq2SeqLM",
+    "DATSeq2SeqDecoderLayer",
+    "DATCrossAttention",
+    "shift_tokens_right",
+]

@@ -1,0 +1,359 @@
+"""Vision Dual Attention Transformer (ViDAT): DATVisionModel and DATForImageClassification.
+
+A ViT whose layers are DAT layers (sensory heads beside relational heads), as the authors' `VisionDualAttnTransformer`:
+
+    patches = LayerNorm -> Linear -> LayerNorm of each flattened patch        (row-major on the patch grid)
+    x       = [CLS | patches] + position embeddings                          (learned, interpolable)
+    x       = DAT layers (bidirectional), symbols from one of the retrievers
+    pooled  = x[CLS] or mean over tokens  ->  classifier
+
+Position-relative symbols are either 1-D (offset `j - i` of the row-major sequence, as the reference) or 2-D
+(`config.relative_symbols_2d`: the clipped offset `(dy, dx)` between the two patches on the grid; pairs involving the
+CLS token use a dedicated row of the table), computed by the relational heads' blocked path from a precomputed
+`[n, n]` bin index (no `[n, n, d]` tensor).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_dat_vision import DATVisionConfig
+from .dual_attention import DATRotaryEmbedding
+from .masking_dat import build_masks, check_graph_adjacency
+from .modeling_dat import DATDecoderLayer, DATPreTrainedModel, attentions_imply_relations, make_norm
+from .symbol_retrieval import SymbolRetrievers
+
+
+@dataclass
+class DATVisionModelOutput(BaseModelOutputWithPooling):
+    """`attentions` are the sensory heads' weights; `relational_attentions` the relational heads' weights
+    `[b, h_r, n, n]` and `relations` the relation tensors `[b, R, n, n]`, one per layer."""
+
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DATImageClassifierOutput(ImageClassifierOutput):
+    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    relations: tuple[torch.FloatTensor, ...] | None = None
+
+
+def grid_relative_position_index(rows: int, cols: int, max_relative_position: int, device=None) -> torch.LongTensor:
+    """Rows of the 2-D position-relative symbol table for a `[CLS | rows x cols patches]` sequence: `[n, n]` with
+    `n = rows * cols + 1`. For receiver patch i at (y_i, x_i) and sender patch j at (y_j, x_j), with
+    `dy = clip(y_j - y_i, -K, K)`, `dx = clip(x_j - x_i, -K, K)`: `(dy + K) * (2K + 1) + (dx + K)`. Every pair that
+    involves the CLS token (index 0) uses the last row, `(2K + 1)^2`."""
+    k = max_relative_position
+    ys = torch.arange(rows, device=device).repeat_interleave(cols)
+    xs = torch.arange(cols, device=device).repeat(rows)
+    dy = (ys[None, :] - ys[:, None]).clamp(-k, k) + k
+    dx = (xs[None, :] - xs[:, None]).clamp(-k, k) + k
+    index = torch.full((rows * cols + 1, rows * cols + 1), (2 * k + 1) ** 2, dtype=torch.long, device=device)
+    index[1:, 1:] = dy * (2 * k + 1) + dx
+    return index
+
+
+class DATVisionPatchEmbeddings(nn.Module):
+    """pixel_values `[b, c, H, W]` -> patch embeddings `[b, (H / p_h) * (W / p_w), d]`. Each patch is flattened as
+    (row, column, channel) (the reference's `Rearrange('b c (h p1) (w p2) -> b (h w) (p1 p2 c)')`) and embedded by
+    `LayerNorm -> Linear -> LayerNorm` (`patch_norm`) or a plain Linear."""
+
+    def __init__(self, config: DATVisionConfig):
+        super().__init__()
+        self.patch_size = config.patch_hw
+        self.num_channels = config.num_channels
+        patch_dim = self.patch_size[0] * self.patch_size[1] * config.num_channels
+        self.norm_in = nn.LayerNorm(patch_dim, eps=config.norm_eps) if config.patch_norm else nn.Identity()
+        self.projection = nn.Linear(patch_dim, config.hidden_size)
+        self.norm_out = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.patch_norm else nn.Identity()
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = pixel_values.shape
+        ph, pw = self.patch_size
+        patches = pixel_values.reshape(b, c, h // ph, ph, w // pw, pw).permute(0, 2, 4, 3, 5, 1)
+        patches = patches.reshape(b, (h // ph) * (w // pw), ph * pw * c)
+        return self.norm_out(self.projection(self.norm_in(patches)))
+
+
+class DATVisionEmbeddings(nn.Module):
+    """pixel_values `[b, c, H, W]` -> `[CLS | patches]` + position embeddings `[b, 1 + N, d]`, and the grid (rows, cols)."""
+
+    def __init__(self, config: DATVisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embeddings = DATVisionPatchEmbeddings(config)
+        self.cls_token = nn.Parameter(torch.empty(1, 1, config.hidden_size))
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned":
+            self.position_embeddings = nn.Parameter(torch.empty(1, config.num_patches + 1, config.hidden_size))
+        self.dropout = nn.Dropout(config.embedding_dropout)
+
+    def check_pixel_values(self, pixel_values, interpolate_pos_encoding: bool):
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4:
+            shape = list(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+            raise ValueError(f"`pixel_values` must be a tensor [batch, channels, height, width], got {shape}.")
+        _, c, h, w = pixel_values.shape
+        if c != self.config.num_channels:
+            raise ValueError(
+                f"`pixel_values` has {c} channels but the model expects `num_channels` = {self.config.num_channels} "
+                "(convert the images, e.g. with the image processor's `do_convert_rgb` / `do_convert_grayscale`)."
+            )
+        (ph, pw), (eh, ew) = self.config.patch_hw, self.config.image_hw
+        if h % ph != 0 or w % pw != 0:
+            raise ValueError(f"Image size {h}x{w} is not divisible by the patch size {ph}x{pw} (`patch_size`).")
+        if not interpolate_pos_encoding and (h, w) != (eh, ew) and self.position_embeddings is not None:
+            raise ValueError(
+                f"Input image size {h}x{w} doesn't match the model's `image_size` {eh}x{ew}; pass "
+                "`interpolate_pos_encoding=True` to interpolate the position embeddings."
+            )
+
+    def interpolate_pos_encoding(self, rows: int, cols: int) -> torch.Tensor:
+        """Position embeddings `[1, 1 + rows * cols, d]` for a `rows x cols` patch grid: the patch embeddings of the
+        training grid are resized bicubically (as ViT), the CLS embedding is kept."""
+        rows0, cols0 = self.config.grid_size
+        if (rows, cols) == (rows0, cols0) and not torch.jit.is_tracing():
+            return self.position_embeddings
+        cls_pos, patch_pos = self.position_embeddings[:, :1], self.position_embeddings[:, 1:]
+        dim = patch_pos.shape[-1]
+        patch_pos = patch_pos.reshape(1, rows0, cols0, dim).permute(0, 3, 1, 2)
+        patch_pos = nn.functional.interpolate(
+            patch_pos.float(), size=(rows, cols), mode="bicubic", align_corners=False
+        ).to(cls_pos.dtype)
+        return torch.cat([cls_pos, patch_pos.permute(0, 2, 3, 1).reshape(1, rows * cols, dim)], dim=1)
+
+    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False):
+        self.check_pixel_values(pixel_values, interpolate_pos_encoding)
+        (ph, pw), (h, w) = self.config.patch_hw, pixel_values.shape[-2:]
+        rows, cols = h // ph, w // pw
+        dtype = self.patch_embeddings.projection.weight.dtype
+        patches = self.patch_embeddings(pixel_values.to(dtype))
+        embeddings = torch.cat([self.cls_token.expand(patches.shape[0], -1, -1).to(patches.dtype), patches], dim=1)
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.interpolate_pos_encoding(rows, cols).to(embeddings.dtype)
+        return self.dropout(embeddings), (rows, cols)
+
+
+class DATVisionPreTrainedModel(DATPreTrainedModel):
+    config: DATVisionConfig
+    base_model_prefix = "model"
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    _no_split_modules = ["DATVisionEmbeddings", "DATDecoderLayer"]
+
+    auto_classes = {
+        "AutoConfig": "configuration_dat_vision.DATVisionConfig",
+        "AutoModel": "modeling_dat_vision.DATVisionModel",
+        "AutoModelForImageClassification": "modeling_dat_vision.DATForImageClassification",
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DATVisionEmbeddings):
+            init.trunc_normal_(module.cls_token, mean=0.0, std=self.config.initializer_range)
+            if module.position_embeddings is not None:
+                init.trunc_normal_(module.position_embeddings, mean=0.0, std=self.config.initializer_range)
+
+
+class DATVisionModel(DATVisionPreTrainedModel):
+    """The ViDAT encoder. pixel_values `[b, c, H, W]` -> last_hidden_state `[b, 1 + N, d]` (CLS first) and
+    pooler_output `[b, d]` (CLS state or mean over tokens, `config.pooling`)."""
+
+    def __init__(self, config: DATVisionConfig):
+        super().__init__(config)
+        self.embeddings = DATVisionEmbeddings(config)
+        if config.position_embedding_type == "rope":
+            self.rotary_emb = DATRotaryEmbedding(config)
+        self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
+        self.layers = nn.ModuleList([DATDecoderLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers)])
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.patch_embeddings
+
+    @attentions_imply_relations
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        pixel_values: torch.FloatTensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        graph_adjacency: torch.BoolTensor | None = None,
+        **kwargs,
+    ) -> DATVisionModelOutput:
+        r"""
+        interpolate_pos_encoding (`bool`, *optional*):
+            Interpolate the learned position embeddings to the input's patch grid (images of another size than
+            `config.image_size`).
+        graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
+            Per-image attention graph (CLS token first) for layers whose relational bias is `graph`.
+        """
+        if pixel_values is None:
+            raise ValueError("You have to specify `pixel_values`.")
+        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
+        for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
+            kwargs.pop(key, None)
+        hidden_states, (rows, cols) = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
+        batch_size, seq_len, _ = hidden_states.shape
+        position_ids = torch.arange(seq_len, device=hidden_states.device)[None].expand(batch_size, -1)
+        self._check_symbol_positions(seq_len)
+        position_embeddings = None
+        if self.config.position_embedding_type == "rope":
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+
+        layer_biases = [
+            (self.config.layer_bias(i, relational=False), self.config.layer_bias(i, relational=True))
+            for i in range(self.config.num_hidden_layers)
+        ]
+        if any("graph" in pair for pair in layer_biases):
+            check_graph_adjacency(graph_adjacency, batch_size, seq_len)
+        masks = build_masks(
+            [bias for pair in layer_biases for bias in pair], self.config, hidden_states, None,
+            position_ids=position_ids, graph_adjacency=graph_adjacency, causal=False,
+        )
+        relative_position_index = None
+        if self.config.relative_symbols_2d and self.symbol_retrievers is not None:
+            relative_position_index = grid_relative_position_index(
+                rows, cols, self.config.max_relative_position, hidden_states.device)
+
+        retrievers = self.symbol_retrievers
+        symbols = None
+        if retrievers is not None and retrievers.shared and retrievers.feature_independent:
+            symbols = retrievers(0, hidden_states, position_ids)  # the same for every layer: compute once
+        for i, layer in enumerate(self.layers):
+            layer_symbols = symbols
+            if retrievers is not None and layer_symbols is None:
+                layer_symbols = retrievers(i, hidden_states, position_ids)
+            sensory_bias, relational_bias = layer_biases[i]
+            hidden_states = layer(
+                hidden_states,
+                layer_symbols,
+                position_embeddings=position_embeddings,
+                sensory_mask=masks[sensory_bias],
+                relational_mask=masks[relational_bias],
+                output_attentions=output_attentions,
+                relative_position_index=relative_position_index,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
+        return DATVisionModelOutput(last_hidden_state=hidden_states, pooler_output=pooled)
+
+    def _check_symbol_positions(self, seq_len: int):
+        if self.config.symbol_retrieval == "positional" and self.symbol_retrievers is not None:
+            limit = self.config.max_symbol_positions or self.config.max_position_embeddings
+            if seq_len > limit:
+                raise ValueError(
+                    f"The image gives {seq_len} tokens (CLS + patches) but the positional symbols cover only "
+                    f"`max_symbol_positions` = {limit}."
+                )
+
+
+def _problem_type(config, labels: torch.Tensor) -> str:
+    """The loss of an HF classifier: regression for 1 label, single-label for integer labels, else multi-label."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def check_labels(labels: torch.Tensor, logits: torch.Tensor, config) -> str:
+    """Validate `labels` for the configured problem type; returns the problem type."""
+    problem = _problem_type(config, labels)
+    num_labels = config.num_labels
+    if problem == "single_label_classification":
+        if labels.is_floating_point():
+            raise ValueError(f"Single-label classification needs integer `labels`, got dtype {labels.dtype}.")
+        if labels.numel() != logits.shape[0]:
+            raise ValueError(f"`labels` must have one class index per image ({logits.shape[0]}), got shape "
+                             f"{list(labels.shape)}.")
+        valid = labels[labels != -100]
+        if not torch.compiler.is_compiling() and valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= num_labels):
+            bad = valid[(valid < 0) | (valid >= num_labels)][0].item()
+            raise ValueError(
+                f"Label {bad} is out of range: `labels` must be class indices in [0, {num_labels - 1}] "
+                f"(`num_labels` = {num_labels}; -100 = ignored)."
+            )
+    elif problem == "multi_label_classification":
+        if tuple(labels.shape) != tuple(logits.shape):
+            raise ValueError(f"Multi-label classification needs `labels` of shape {list(logits.shape)} (one 0/1 target "
+                             f"per class), got {list(labels.shape)}.")
+    elif problem == "regression":
+        if labels.numel() != logits.numel():
+            raise ValueError(f"Regression needs {logits.numel()} targets (shape {list(logits.shape)}), got shape "
+                             f"{list(labels.shape)}.")
+    else:
+        raise ValueError(f"Unknown `problem_type` {problem!r}.")
+    return problem
+
+
+class DATForImageClassification(DATVisionPreTrainedModel):
+    """ViDAT with a linear head on the pooled state. pixel_values `[b, c, H, W]` -> logits `[b, num_labels]`.
+
+    With `labels`: cross-entropy (integer labels, `num_labels > 1`), BCE-with-logits (float multi-hot labels) or MSE
+    (`num_labels == 1`), or as `config.problem_type` says, like every HF classifier.
+    """
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: DATVisionConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = DATVisionModel(config)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values: torch.FloatTensor | None = None,
+        labels: torch.Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        graph_adjacency: torch.BoolTensor | None = None,
+        **kwargs,
+    ) -> DATImageClassifierOutput:
+        r"""
+        labels (`torch.LongTensor` of shape `[batch]` or `torch.FloatTensor` `[batch, num_labels]`, *optional*):
+            Class indices in `[0, num_labels)` (single-label), multi-hot targets (multi-label) or regression targets.
+        interpolate_pos_encoding (`bool`, *optional*):
+            Interpolate the position embeddings to the input's patch grid.
+        graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
+            Per-image attention graph for layers whose relational bias is `graph`.
+        """
+        kwargs.pop("num_items_in_batch", None)
+        outputs: DATVisionModelOutput = self.model(
+            pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, graph_adjacency=graph_adjacency, **kwargs
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output))
+        loss = None
+        if labels is not None:
+            labels = labels.to(logits.device)
+            self.config.problem_type = check_labels(labels, logits, self.config)
+            loss = self.loss_function(labels, logits, self.config)
+        return DATImageClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            relational_attentions=outputs.relational_attentions, relations=outputs.relations,
+        )
+
+
+__all__ = [
+    "DATVisionPreTrainedModel",
+    "DATVisionModel",
+    "DATForImageClassification",
+    "DATVisionModelOutput",
+    "DATImageClassifierOutput",
+    "grid_relative_position_index",
+]

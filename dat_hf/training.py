@@ -1,0 +1,248 @@
+"""Training helpers shared by the scripts (never imported by the modeling files).
+
+- Model presets: `configs/*.json` in the repository (`load_preset_config("dat-tiny")`, or a path to a JSON file).
+- `AtomicCheckpointTrainer`: a `Trainer` whose checkpoints appear atomically: each `checkpoint-N` is written in
+  full under `<output_dir>/.staging/` and then renamed into place, so a run killed while saving never leaves a
+  partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up.
+- Perplexity: `token_nll` (a `preprocess_logits_for_metrics` that keeps per-token negative log-likelihoods instead of
+  `[batch, seq, vocab]` logits) and `make_compute_metrics` (the repository's `metrics/perplexity` evaluate module).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+PERPLEXITY_METRIC_PATH = REPO_ROOT / "metrics" / "perplexity"
+STAGING_DIR_NAME = ".staging"
+
+
+# ---- presets -------------------------------------------------------------------------------------------------------
+def list_presets(config_dir: str | os.PathLike | None = None) -> list[str]:
+    """Names of the model presets (`configs/<name>.json`)."""
+    config_dir = Path(config_dir or CONFIG_DIR)
+    return sorted(p.stem for p in config_dir.glob("*.json"))
+
+
+def preset_path(name_or_path: str, config_dir: str | os.PathLike | None = None) -> Path:
+    """The JSON file of a preset name (`dat-tiny`) or an explicit path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.is_file():
+        return path
+    candidate = Path(config_dir or CONFIG_DIR) / f"{name_or_path}.json"
+    if candidate.is_file():
+        return candidate
+    raise FileNotFoundError(
+        f"No model preset {name_or_path!r}: give a JSON file or one of {list_presets(config_dir)} "
+        f"(in {config_dir or CONFIG_DIR})."
+    )
+
+
+def parse_config_overrides(overrides: str | None) -> dict:
+    """`"hidden_size=64,num_hidden_layers=2,hidden_act=gelu"` -> a dict of JSON-parsed values (strings otherwise)."""
+    result = {}
+    for item in (overrides or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"Config overrides must look like `field=value`, got {item!r}.")
+        key, value = (s.strip() for s in item.split("=", 1))
+        try:
+            result[key] = json.loads(value)
+        except json.JSONDecodeError:
+            result[key] = value
+    return result
+
+
+def load_preset_config(name_or_path: str, config_dir: str | os.PathLike | None = None, **overrides):
+    """A `DATConfig` from a preset name or JSON path; keys starting with `_` (comments, expected sizes) are dropped."""
+    from .configuration_dat import DATConfig
+
+    with open(preset_path(name_or_path, config_dir), encoding="utf-8") as f:
+        kwargs = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    kwargs.pop("model_type", None)
+    kwargs.update(overrides)
+    return DATConfig(**kwargs)
+
+
+def preset_metadata(name_or_path: str, config_dir: str | os.PathLike | None = None) -> dict:
+    """The `_`-prefixed fields of a preset (e.g. `_expected_parameters`, `_reference`), without the underscore."""
+    with open(preset_path(name_or_path, config_dir), encoding="utf-8") as f:
+        return {k[1:]: v for k, v in json.load(f).items() if k.startswith("_")}
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of (unique) parameters; tied weights count once, as in `model.num_parameters()`."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def parameters_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer (name, dtype, shape, bytes), to compare replicas bit for bit."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+# ---- atomic checkpoints --------------------------------------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointMixin:
+    """Writes each `checkpoint-N` under `<run_dir>/.staging/checkpoint-N` (every process writes its part there),
+    waits for all processes, then the saving process renames it to `<run_dir>/checkpoint-N` in one `os.replace`
+    and rotates old checkpoints. The Trainer's own `_save_checkpoint` (model safetensors, optimizer, scheduler, RNG
+    states, trainer state) is reused unchanged."""
+
+    def _save_checkpoint(self, model, trial):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING_DIR_NAME)
+        staging, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving
+            os.makedirs(staging_root, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+
+        get_output_dir = self._get_output_dir
+        self._get_output_dir = lambda trial=None: staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._get_output_dir = get_output_dir
+        if self.state.best_model_checkpoint == staging:
+            self.state.best_model_checkpoint = final
+        self.accelerator.wait_for_everyone()  # every process has written its files (RNG states, shards)
+
+        if self.args.should_save:
+            # the trainer state written in staging must name the final folder
+            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+            if os.path.isdir(final):  # re-saving the same step: replace the old folder
+                shutil.rmtree(final)
+            _fsync_dir(staging)
+            os.replace(staging, final)
+            _fsync_dir(run_dir)
+            shutil.rmtree(staging_root, ignore_errors=True)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=False,
+            )
+        self.accelerator.wait_for_everyone()
+
+
+class AtomicCheckpointTrainer(AtomicCheckpointMixin, Trainer):
+    """`transformers.Trainer` with atomic checkpoints (see `AtomicCheckpointMixin`)."""
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint, output_dir: str):
+    """`None`/`False` -> None; `"last"`/`"auto"`/`True` -> the newest complete checkpoint in `output_dir` (None when
+    there is none, so the same command starts or resumes a run); a path -> that path (must exist)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume_from_checkpoint in (None, False, "", "false", "False", "none", "None"):
+        return None
+    if resume_from_checkpoint in (True, "last", "auto", "latest", "true", "True"):
+        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if not os.path.isdir(resume_from_checkpoint):
+        raise FileNotFoundError(f"`resume_from_checkpoint`={resume_from_checkpoint!r} is not a folder.")
+    return resume_from_checkpoint
+
+
+# ---- perplexity ----------------------------------------------------------------------------------------------------
+def token_nll(logits, labels):
+    """`preprocess_logits_for_metrics` for causal LMs: per-token negative log-likelihood `[b, n]` of the shifted
+    labels (NaN where the label is -100, and at the last position), so evaluation never stores the logits."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1).clamp(min=0), reduction="none"
+    ).view_as(shift_labels)
+    nll = nll.masked_fill(shift_labels == -100, float("nan"))
+    return torch.nn.functional.pad(nll, (0, 1), value=float("nan"))
+
+
+def load_perplexity_metric(path: str | os.PathLike | None = None):
+    """The repository's `evaluate` perplexity module (offline: a local folder), in memory (no cache files, so
+    concurrent processes do not collide)."""
+    import evaluate
+
+    return evaluate.load(str(path or PERPLEXITY_METRIC_PATH), keep_in_memory=True)
+
+
+def make_compute_metrics(metric=None):
+    """`compute_metrics` for `Trainer` with `preprocess_logits_for_metrics=token_nll`: corpus perplexity
+    (exp of the mean token NLL), the mean of per-block perplexities and the mean NLL, from the metric module."""
+    if metric is None:
+        metric = load_perplexity_metric()
+
+    def compute_metrics(eval_pred):
+        nll = eval_pred.predictions
+        nll = nll[0] if isinstance(nll, tuple) else nll
+        rows = [row[~np.isnan(row)].astype(np.float64).tolist() for row in np.asarray(nll)]
+        rows = [row for row in rows if row]
+        result = metric.compute(predictions=rows)
+        return {k: v for k, v in result.items() if isinstance(v, (int, float))}
+
+    return compute_metrics
+
+
+def perplexity_from_loss(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
+
+
+__all__ = [
+    "CONFIG_DIR",
+    "PERPLEXITY_METRIC_PATH",
+    "list_presets",
+    "preset_path",
+    "load_preset_config",
+    "preset_metadata",
+    "parse_config_overrides",
+    "count_parameters",
+    "parameters_digest",
+    "AtomicCheckpointMixin",
+    "AtomicCheckpointTrainer",
+    "resolve_resume_checkpoint",
+    "token_nll",
+    "load_perplexity_metric",
+    "make_compute_metrics",
+    "perplexity_from_loss",
+]

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Benchmark dat_hf DATForCausalLM against the authors' reference (`dual-attention`, converted weights) and
+Transformers' LlamaForCausalLM of the same width, depth, total heads and FFN.
+
+    python scripts/benchmark.py train --seq 256 512 1024 --repeats 3 --out runs/bench
+    python scripts/benchmark.py generate --prompt 16 1024 --new-tokens 512 --out runs/bench
+
+Every measurement runs in its own process (peak memory = that process's max RSS); models alternate within each
+repetition, so machine drift hits all alike. Prints a table of medians and ratios, writes JSON (and PNG scaling
+curves for `train` when matplotlib is available).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+IMPLS = ("dat_hf", "reference", "llama")
+
+
+def model_kwargs(args):
+    return dict(vocab=args.vocab, d=args.hidden, layers=args.layers, sa=args.sensory_heads, ra=args.relational_heads,
+                dff=args.ffn, max_len=max(args.max_len, 2))
+
+
+def build(impl, vocab, d, layers, sa, ra, dff, max_len, attn="sdpa"):
+    import torch
+
+    torch.manual_seed(0)
+    if impl == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=sa + ra,
+                             intermediate_size=dff, max_position_embeddings=max_len, tie_word_embeddings=True)
+        config._attn_implementation = attn
+        return LlamaForCausalLM(config)
+    from dual_attention.language_models import DualAttnTransformerLM
+
+    reference = DualAttnTransformerLM(
+        vocab_size=vocab, d_model=d, n_layers=layers, n_heads_sa=sa, n_heads_ra=ra, dff=dff, dropout_rate=0.0,
+        activation="swiglu", norm_first=True, max_block_size=max_len, norm_type="rmsnorm", pos_enc_type="RoPE",
+        symbol_retrieval="symbolic_attention", symbol_retrieval_kwargs=dict(d_model=d, n_heads=4, n_symbols=64),
+    )
+    if impl == "reference":
+        return reference
+    import dat_hf
+
+    model = dat_hf.from_reference_model(reference)
+    model.config._attn_implementation = attn
+    return model
+
+
+def _logits(impl, model, x):
+    return model(x)[0] if impl == "reference" else model(x).logits
+
+
+def worker_train(args):
+    import resource
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = build(args.impl, **model_kwargs(args)).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq))
+    times = []
+    for step in range(args.steps + 1):
+        start = time.perf_counter()
+        logits = _logits(args.impl, model, x)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step > 0:  # the first step warms up
+            times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
+    print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak}))
+
+
+def worker_generate(args):
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = build(args.impl, **model_kwargs(args)).eval()
+    x = torch.randint(0, args.vocab, (1, args.prompt))
+    with torch.no_grad():
+        start = time.perf_counter()
+        if args.impl == "reference":
+            model.generate(x, args.new_tokens, top_k=1)
+        else:
+            model.generate(x, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        elapsed = time.perf_counter() - start
+    print(json.dumps({"ms_per_token": 1000 * elapsed / args.new_tokens}))
+
+
+def run_worker(mode, impl, args, **extra):
+    cmd = [sys.executable, __file__, f"_{mode}", "--impl", impl, "--threads", str(args.threads)]
+    for key, value in {**vars(args), **extra}.items():
+        if key in ("mode", "impl", "threads", "seq", "prompt", "out", "impls", "repeats", "func"):
+            continue
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    for key in ("seq", "prompt"):
+        if key in extra:
+            cmd += [f"--{key}", str(extra[key])]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def summarize(results, metric):
+    values = [r[metric] for r in results if metric in r]
+    return statistics.median(values) if values else None
+
+
+def main_train(args):
+    table = {}
+    for seq in args.seq:
+        runs = {impl: [] for impl in args.impls}
+        for _ in range(args.repeats):
+            for impl in args.impls:
+                if impl == "reference" and seq > args.reference_max_seq:
+                    continue
+                runs[impl].append(run_worker("train", impl, args, seq=seq, max_len=max(seq, args.max_len)))
+        table[seq] = {impl: {"time_s": summarize(r, "time_s"), "peak_gib": summarize(r, "peak_gib"),
+                             "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+    print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={args.hidden}, {args.layers} layers, "
+          f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads")
+    print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'t/ref':>7} {'t/llama':>8} {'m/ref':>7} {'m/llama':>8}")
+    for seq, row in table.items():
+        for impl, r in row.items():
+            def ratio(key, other):
+                base = row.get(other, {}).get(key)
+                return f"{r[key] / base:.2f}" if r[key] and base else "-"
+            t = f"{r['time_s']:.3f}" if r["time_s"] else "-"
+            m = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "-"
+            print(f"{seq:>6} {impl:>10} {t:>9} {m:>9} {ratio('time_s', 'reference'):>7} {ratio('time_s', 'llama'):>8} "
+                  f"{ratio('peak_gib', 'reference'):>7} {ratio('peak_gib', 'llama'):>8}")
+    return table
+
+
+def main_generate(args):
+    table = {}
+    for prompt in args.prompt:
+        runs = {impl: [] for impl in args.impls}
+        for _ in range(args.repeats):
+            for impl in args.impls:
+                runs[impl].append(run_worker("generate", impl, args, prompt=prompt,
+                                             max_len=max(args.max_len, prompt + args.new_tokens)))
+        table[prompt] = {impl: summarize(r, "ms_per_token") for impl, r in runs.items()}
+    print(f"\ngeneration, {args.new_tokens} new tokens (greedy)")
+    print(f"{'prompt':>7} " + " ".join(f"{impl + ' ms/tok':>18}" for impl in args.impls) + "  dat_hf/llama  ref/dat_hf")
+    for prompt, row in table.items():
+        ours, llama, ref = row.get("dat_hf"), row.get("llama"), row.get("reference")
+        cells = " ".join(f"{row[i]:>18.2f}" if row.get(i) else f"{'-':>18}" for i in args.impls)
+        r1 = f"{ours / llama:.2f}" if ours and llama else "-"
+        r2 = f"{ref / ours:.1f}" if ours and ref else "-"
+        print(f"{prompt:>7} {cells}  {r1:>12}  {r2:>10}")
+    return table
+
+
+def plot(table, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    seqs = sorted(table)
+    for impl in IMPLS:
+        for ax, key, label in ((axes[0], "time_s", "train step (s)"), (axes[1], "peak_gib", "peak memory (GiB)")):
+            points = [(s, table[s][impl][key]) for s in seqs if impl in table[s] and table[s][impl][key]]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl)
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel(label)
+            ax.set_xscale("log", base=2)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["train", "generate", "_train", "_generate"])
+    p.add_argument("--impl", choices=IMPLS)
+    p.add_argument("--impls", nargs="+", default=list(IMPLS))
+    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--prompt", type=int, nargs="+", default=[16, 1024])
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--sensory-heads", type=int, default=4)
+    p.add_argument("--relational-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reference-max-seq", type=int, default=2048)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.mode == "_train":
+        args.seq = args.seq[0]
+        return worker_train(args)
+    if args.mode == "_generate":
+        args.prompt = args.prompt[0]
+        return worker_generate(args)
+    table = main_train(args) if args.mode == "train" else main_generate(args)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{args.mode}.json"), "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "results": table}, f, indent=2)
+        if args.mode == "train":
+            plot(table, os.path.join(args.out, "train_scaling.png"))
+
+
+if __name__ == "__main__":
+    main()

