@@ -221,7 +221,8 @@ class RelationalAttention(nn.Module):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
         b, q_len = query.shape[0], query.shape[2]
-        if self.uses_fused_path and not output_attentions:
+        # decoding (one receiver) takes the explicit path: cheaper than assembling fused values from the whole cache
+        if self.uses_fused_path and not output_attentions and q_len > 1:
             # values = [symbol values | relation keys]: sum_j a_ij k_rel_j rides along the symbols in one kernel
             kv_len = key.shape[2]
             k_rel_heads = k_rel[:, None].expand(b, self.num_kv_heads, kv_len, k_rel.shape[-1])
@@ -305,8 +306,10 @@ class RelationalAttention(nn.Module):
             attended_symbols = torch.matmul(weights, symbol_values).transpose(1, 2)
         relations = None
         if self.relation_act is None and not output_attentions:
-            k_flat = k_rel.flatten(2)[:, None]  # [b, 1, kv, R * d_r]
-            attended_keys = torch.matmul(weights, k_flat).unflatten(-1, (self.num_relations, self.relation_dim))
+            # heads folded into rows: one [h * q, kv] @ [kv, R * d_r] product per batch, k_rel never copied per head
+            b, h, q_len, kv_len = weights.shape
+            attended_keys = torch.bmm(weights.reshape(b, h * q_len, kv_len), k_rel.flatten(2))
+            attended_keys = attended_keys.view(b, h, q_len, self.num_relations, self.relation_dim)
             attended_relations = (attended_keys * q_rel[:, None]).sum(-1) * self.relation_scaling  # [b, h, q, R]
         else:
             # r_l(x_i, x_j) for this block: [b, R, q, kv]

@@ -157,9 +157,12 @@ class DATVisionPreTrainedModel(DATPreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, DATVisionEmbeddings):
-            init.trunc_normal_(module.cls_token, mean=0.0, std=self.config.initializer_range)
+            # with `patch_norm` the patch embeddings leave a LayerNorm at unit scale: the CLS token and the positions
+            # start at the same scale (standard normal, as the reference), else they would be invisible at first
+            std = 1.0 if self.config.patch_norm else self.config.initializer_range
+            init.normal_(module.cls_token, mean=0.0, std=std)
             if module.position_embeddings is not None:
-                init.trunc_normal_(module.position_embeddings, mean=0.0, std=self.config.initializer_range)
+                init.normal_(module.position_embeddings, mean=0.0, std=std)
 
 
 class DATVisionModel(DATVisionPreTrainedModel):

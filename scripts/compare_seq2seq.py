@@ -122,7 +122,7 @@ def run_one(args, name: str):
 
 def table(results: dict, args) -> str:
     modules = [m for m in args.modules.split(",") if m]
-    header = "| model | relational heads | parameters | " + " | ".join(modules) + " | overall | train time (s) | final train loss |"
+    header = "| model | relational heads | parameters | " + " | ".join(modules) + " | overall | train time (s) | mean train loss |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, label, nr in (("dat", "DAT", args.relational_heads), ("transformer", "Transformer", 0)):
         r = results[name]

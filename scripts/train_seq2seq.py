@@ -127,9 +127,26 @@ def load_data(data_args: DataArguments):
     return raw
 
 
-def build_config(model_args: ModelArguments, tokenizer) -> DATSeq2SeqConfig:
-    from dat_hf.training import parse_config_overrides
+def parse_config_overrides(overrides: str | None) -> dict:
+    """`"norm_type=layernorm,pre_norm=false,num_cross_relational_heads=2"` -> a dict (values parsed as JSON when
+    they are JSON, else kept as strings)."""
+    result = {}
+    import re
 
+    for item in re.split(r",(?![^\[]*\])", overrides or ""):  # commas inside [...] belong to a list value
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise ValueError(f"Config overrides must look like `field=value`, got {item.strip()!r}.")
+        key, value = (part.strip() for part in item.split("=", 1))
+        try:
+            result[key] = json.loads(value)
+        except json.JSONDecodeError:
+            result[key] = value
+    return result
+
+
+def build_config(model_args: ModelArguments, tokenizer) -> DATSeq2SeqConfig:
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=model_args.hidden_size, encoder_layers=model_args.encoder_layers,
         decoder_layers=model_args.decoder_layers, num_sensory_heads=model_args.num_sensory_heads,

@@ -33,7 +33,12 @@ def import_script(name: str):
 
 @functools.lru_cache(maxsize=None)
 def workdir() -> str:
-    return tempfile.mkdtemp(prefix="dat_hf_lm_tests_")
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="dat_hf_lm_tests_")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @functools.lru_cache(maxsize=None)

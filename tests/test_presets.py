@@ -1,7 +1,6 @@
 """Model presets (parameter counts on the meta device, against the published sizes and the authors' `dual_attention`
 models) and the Accelerate config files (parsed and validated by Accelerate's own launch code, nothing launched)."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -96,7 +95,11 @@ def test_accelerate_config_is_accepted(name, monkeypatch):
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     monkeypatch.chdir(REPO_ROOT)  # the DeepSpeed JSON paths are relative to the repository root
     path = f"configs/accelerate/{name}.yaml"
@@ -133,4 +136,10 @@ def test_accelerate_config_is_accepted(name, monkeypatch):
     else:
         cmd, env = prepare_simple_launcher_cmd_env(args)
         assert cmd[-3:] == ["scripts/train_causal_lm.py", "--max_steps", "1"] and args.num_processes == 1
-    assert os.path.isfile(REPO_ROOT / "docs" / "training.md")
+
+
+def test_launch_commands_documented():
+    docs = (REPO_ROOT / "docs" / "training.md").read_text()
+    for name in ACCELERATE_CONFIGS:
+        assert f"configs/accelerate/{name}.yaml" in docs, name
+    assert "torchrun --nproc_per_node" in docs and "--num_machines 2" in docs and "--nnodes 2" in docs

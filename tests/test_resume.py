@@ -5,7 +5,6 @@ checkpoints are safetensors and appear atomically (a run killed while saving lea
 import sys
 
 import pytest
-import torch
 from lm_helpers import REPO_ROOT, import_script, losses_by_step, run_group, subprocess_env, train_args
 from safetensors.torch import load_file
 from transformers.trainer_utils import get_last_checkpoint
@@ -45,8 +44,7 @@ def resume(out):
 def test_checkpoints_are_safetensors(uninterrupted):
     out, _, _ = uninterrupted
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
-    assert checkpoints == [f"checkpoint-{s}" for s in (12, 4, 8)] or set(checkpoints) == {
-        f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)}
+    assert set(checkpoints) == {f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)}
     for name in checkpoints:
         files = {p.name for p in (out / name).iterdir()}
         assert "model.safetensors" in files and not any(f.endswith((".bin", ".pt")) and "model" in f for f in files)
@@ -85,4 +83,3 @@ def test_resume_last_without_checkpoint_starts_from_scratch(tmp_path):
     assert resolve_resume_checkpoint(None, str(tmp_path)) is None
     with pytest.raises(FileNotFoundError):
         resolve_resume_checkpoint(str(tmp_path / "nope"), str(tmp_path))
-    assert torch.equal(torch.zeros(1), torch.zeros(1))

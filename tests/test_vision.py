@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,7 @@ def _reference_input(reference, batch=3, seed=0):
 @pytest.mark.parametrize("name", list(REFERENCE_CONFIGS))
 def test_vision_dat_reference_parity(name):
     vision_models = pytest.importorskip("dual_attention.vision_models")
-    torch.manual_seed(hash(name) % 1000)
+    torch.manual_seed(zlib.crc32(name.encode()))
     reference = vision_models.VisionDualAttnTransformer(**{**REFERENCE_BASE, **REFERENCE_CONFIGS[name]}).eval()
     ours = dat_hf.from_reference_model(reference)
     assert isinstance(ours, DATForImageClassification)
