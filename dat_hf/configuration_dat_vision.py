@@ -57,6 +57,10 @@ class DATVisionConfig(DualAttentionConfig):
         position_embedding_type: `learned` (ViT; default), `none`, or `rope` (1-D RoPE over the row-major sequence,
             CLS at position 0).
 
+    Small models: the shared `initializer_range` default (0.02) suits wide models; a tiny one (say 64 wide) learns
+    several times faster from about `hidden_size ** -0.5` (what `scripts/train_image_classification.py` uses). The
+    CLS token and position embeddings start at unit scale when `patch_norm` is on (the reference's init).
+
     Example:
     ```python
     >>> from dat_hf import DATVisionConfig, DATForImageClassification

