@@ -159,6 +159,11 @@ class DualAttentionConfig(PreTrainedConfig):
         bias = self.relational_heads_bias if relational and self.relational_heads_bias is not None else self.relational_bias
         return bias[layer_idx] if isinstance(bias, list) else bias
 
+    def layer_biases(self) -> list[tuple[str, str]]:
+        """(sensory bias, relational bias) of every layer."""
+        return [(self.layer_bias(i, relational=False), self.layer_bias(i, relational=True))
+                for i in range(self.num_hidden_layers)]
+
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_dual_attention(self):
         """Raise a ValueError naming the field for every invalid value or combination."""

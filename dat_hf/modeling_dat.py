@@ -118,6 +118,36 @@ class DATDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
+                      graph_adjacency=None, causal=True):
+    """Every layer's (sensory, relational) biases and their masks, each distinct bias built once per forward."""
+    layer_biases = config.layer_biases()
+    if any("graph" in pair for pair in layer_biases):
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if past_seen > 0:
+            raise ValueError("The `graph` relational bias does not support a KV cache (the graph is per input).")
+        check_graph_adjacency(graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1])
+    masks = build_masks([bias for pair in layer_biases for bias in pair], config, inputs_embeds, attention_mask,
+                        past_key_values, position_ids, graph_adjacency, causal=causal)
+    return layer_biases, masks
+
+
+def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, masks, **layer_kwargs):
+    """The DAT stack shared by every model family: each layer gets its symbols (computed once when shared and
+    feature-independent) and the masks of its biases. `[b, n, d]` -> `[b, n, d]`."""
+    symbols = None
+    if symbol_retrievers is not None and symbol_retrievers.shared and symbol_retrievers.feature_independent:
+        symbols = symbol_retrievers(0, hidden_states, position_ids)
+    for i, layer in enumerate(layers):
+        layer_symbols = symbols
+        if symbol_retrievers is not None and layer_symbols is None:
+            layer_symbols = symbol_retrievers(i, hidden_states, position_ids)
+        sensory_bias, relational_bias = layer_biases[i]
+        hidden_states = layer(hidden_states, layer_symbols, sensory_mask=masks[sensory_bias],
+                              relational_mask=masks[relational_bias], **layer_kwargs)
+    return hidden_states
+
+
 def attentions_imply_relations(func):
     """`output_attentions=True` also returns the relational heads' weights and the relations."""
 
@@ -295,38 +325,13 @@ class DATModel(DATPreTrainedModel):
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases = [
-            (self.config.layer_bias(i, relational=False), self.config.layer_bias(i, relational=True))
-            for i in range(self.config.num_hidden_layers)
-        ]
-        if any("graph" in pair for pair in layer_biases):
-            if past_seen > 0:
-                raise ValueError("The `graph` relational bias does not support a KV cache (the graph is per input).")
-            check_graph_adjacency(graph_adjacency, batch_size, seq_len)
-        masks = build_masks(
-            [bias for pair in layer_biases for bias in pair], self.config, inputs_embeds, attention_mask,
-            past_key_values, position_ids, graph_adjacency, causal=self.is_causal,
+        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, past_key_values,
+                                                position_ids, graph_adjacency, causal=self.is_causal)
+        hidden_states = run_dat_layers(
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
+            position_embeddings=position_embeddings, past_key_values=past_key_values,
+            output_attentions=output_attentions, **kwargs,
         )
-
-        retrievers = self.symbol_retrievers
-        symbols = None
-        if retrievers is not None and retrievers.shared and retrievers.feature_independent:
-            symbols = retrievers(0, hidden_states, position_ids)  # the same for every layer: compute once
-        for i, layer in enumerate(self.layers):
-            layer_symbols = symbols
-            if retrievers is not None and layer_symbols is None:
-                layer_symbols = retrievers(i, hidden_states, position_ids)
-            sensory_bias, relational_bias = layer_biases[i]
-            hidden_states = layer(
-                hidden_states,
-                layer_symbols,
-                position_embeddings=position_embeddings,
-                sensory_mask=masks[sensory_bias],
-                relational_mask=masks[relational_bias],
-                past_key_values=past_key_values,
-                output_attentions=output_attentions,
-                **kwargs,
-            )
         hidden_states = self.norm(hidden_states)
         return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 

@@ -25,8 +25,14 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_dat_vision import DATVisionConfig
 from .dual_attention import DATRotaryEmbedding
-from .masking_dat import build_masks, check_graph_adjacency
-from .modeling_dat import DATDecoderLayer, DATPreTrainedModel, attentions_imply_relations, make_norm
+from .modeling_dat import (
+    DATDecoderLayer,
+    DATPreTrainedModel,
+    attentions_imply_relations,
+    build_layer_masks,
+    make_norm,
+    run_dat_layers,
+)
 from .symbol_retrieval import SymbolRetrievers
 
 
@@ -213,40 +219,18 @@ class DATVisionModel(DATVisionPreTrainedModel):
         if self.config.position_embedding_type == "rope":
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
 
-        layer_biases = [
-            (self.config.layer_bias(i, relational=False), self.config.layer_bias(i, relational=True))
-            for i in range(self.config.num_hidden_layers)
-        ]
-        if any("graph" in pair for pair in layer_biases):
-            check_graph_adjacency(graph_adjacency, batch_size, seq_len)
-        masks = build_masks(
-            [bias for pair in layer_biases for bias in pair], self.config, hidden_states, None,
-            position_ids=position_ids, graph_adjacency=graph_adjacency, causal=False,
-        )
+        layer_biases, masks = build_layer_masks(self.config, hidden_states, None, position_ids=position_ids,
+                                                graph_adjacency=graph_adjacency, causal=False)
         relative_position_index = None
         if self.config.relative_symbols_2d and self.symbol_retrievers is not None:
             relative_position_index = grid_relative_position_index(
                 rows, cols, self.config.max_relative_position, hidden_states.device)
 
-        retrievers = self.symbol_retrievers
-        symbols = None
-        if retrievers is not None and retrievers.shared and retrievers.feature_independent:
-            symbols = retrievers(0, hidden_states, position_ids)  # the same for every layer: compute once
-        for i, layer in enumerate(self.layers):
-            layer_symbols = symbols
-            if retrievers is not None and layer_symbols is None:
-                layer_symbols = retrievers(i, hidden_states, position_ids)
-            sensory_bias, relational_bias = layer_biases[i]
-            hidden_states = layer(
-                hidden_states,
-                layer_symbols,
-                position_embeddings=position_embeddings,
-                sensory_mask=masks[sensory_bias],
-                relational_mask=masks[relational_bias],
-                output_attentions=output_attentions,
-                relative_position_index=relative_position_index,
-                **kwargs,
-            )
+        hidden_states = run_dat_layers(
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
+            position_embeddings=position_embeddings, output_attentions=output_attentions,
+            relative_position_index=relative_position_index, **kwargs,
+        )
         hidden_states = self.norm(hidden_states)
         pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
         return DATVisionModelOutput(last_hidden_state=hidden_states, pooler_output=pooled)
