@@ -1,10 +1,12 @@
 """Offline data for the seq2seq math task: DeepMind's `mathematics_dataset` problems and a character tokenizer.
 
-- `apply_compat_shims()`: `mathematics_dataset` 1.0.1 predates sympy >= 1.12 and numpy 2. Two in-process shims make
+- `apply_compat_shims()`: `mathematics_dataset` 1.0.1 predates sympy >= 1.12 and numpy 2. In-process shims make
   every module generate again: `sympy.solvers.diophantine.base_solution_linear` (moved to
-  `sympy.solvers.diophantine.diophantine`) is re-exported, and `mathematics_dataset.sample.polynomials` gets a numpy
-  proxy providing `np.object` and arrays with `.itemset` (both removed in numpy 2). Nothing global in numpy is
-  changed. These shims live here, in the data code only (never in the modeling files).
+  `sympy.solvers.diophantine.diophantine`) is re-exported; `mathematics_dataset.sample.polynomials` gets a numpy
+  proxy providing `np.object` and arrays with `.itemset` (both removed in numpy 2); and its `integers_with_sum`
+  treats the entropy of a 0- or 1-term split as 0 (current numpy's Dirichlet sampler returns ~1e-300 where numpy 1
+  gave exact zeros, tripping an `assert entropy == 0` in rare `algebra__linear_1d` problems). Nothing global in
+  numpy is changed. These shims live here, in the data code only (never in the modeling files).
 - `generate_problems(module, n, seed)`, `math_dataset(modules, n_train, n_test, seed)`: `datasets` objects with
   `input` (question) and `target` (answer) text columns; held-out problems never repeat a training question.
 - `build_char_tokenizer()`: a character-level `PreTrainedTokenizerFast` built with `tokenizers` over the dataset's
@@ -66,6 +68,16 @@ def apply_compat_shims():
     from mathematics_dataset.sample import polynomials
 
     polynomials.np = _numpy_proxy()
+    # numpy's newer Dirichlet sampler returns tiny non-zero shares where alpha is ~0 (numpy 1 gave exact zeros), so
+    # a term count of 0 or 1 can arrive with entropy 1e-300 and trip `assert entropy == 0`: such terms carry none
+    original = polynomials.integers_with_sum
+    if not getattr(original, "_dat_hf_shim", False):
+
+        def integers_with_sum(value, count, entropy):
+            return original(value, count, 0 if count <= 1 else entropy)
+
+        integers_with_sum._dat_hf_shim = True
+        polynomials.integers_with_sum = integers_with_sum
     _SHIMS_APPLIED = True
 
 
