@@ -179,6 +179,8 @@ class RelationalAttention(nn.Module):
         self.relation_scaling = self.relation_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.relative_symbols = config.symbol_retrieval == "position_relative"
+        self.max_relative_position = config.max_relative_position
+        self.symmetric_relations = config.symmetric_relations
         self.relation_activation = config.relation_activation
         self.relation_act = ACT2FN[config.relation_activation] if config.relation_activation != "identity" else None
         d, hd, rd = config.hidden_size, self.head_dim, self.num_relations * self.relation_dim
@@ -208,7 +210,7 @@ class RelationalAttention(nn.Module):
         b, n, _ = hidden_states.shape
         q, k = self.attention_query_key(hidden_states, position_embeddings)
         q_rel = self.q_rel_proj(hidden_states)
-        k_rel = q_rel if self.config.symmetric_relations else self.k_rel_proj(hidden_states)
+        k_rel = q_rel if self.symmetric_relations else self.k_rel_proj(hidden_states)
         if self.relative_symbols:  # the [2K + 1, d] table -> [2K + 1, h_kv, d_h]
             symbol_values = self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
         else:
@@ -293,7 +295,7 @@ class RelationalAttention(nn.Module):
         weights = nn.functional.dropout(weights, p=self.attention_dropout, training=self.training)
         if self.relative_symbols:
             # bin each receiver's weights by clipped offset j - i, then mix the offset table: no [n, n, d] tensor
-            q_len, kv_len, clip = query.shape[2], key.shape[2], self.config.max_relative_position
+            q_len, kv_len, clip = query.shape[2], key.shape[2], self.max_relative_position
             offsets = torch.arange(kv_len, device=query.device)[None] - (
                 torch.arange(q_len, device=query.device)[:, None] + q_offset)
             index = offsets.clamp(-clip, clip) + clip
@@ -336,6 +338,7 @@ class DualAttention(nn.Module):
         self.sensory = SensoryAttention(config, layer_idx, is_causal) if config.num_sensory_heads > 0 else None
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
+        self.head_dim = config.head_dim
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
                 past_key_values=None, output_attentions=False, relative_position_index=None, **kwargs):
@@ -386,7 +389,7 @@ class DualAttention(nn.Module):
         """Undo the packing of `forward`: lists of keys `[b, h_kv, N, d_h]` and values (sensory `[b, h_kv, N, d_h]`,
         symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]`) in packing order."""
         b, _, total, _ = value_cache.shape
-        hd = self.config.head_dim
+        hd = self.head_dim
         key_sizes, value_sizes = [], []
         if self.relational is not None:
             key_sizes.append(self.relational.num_kv_heads)
