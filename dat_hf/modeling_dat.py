@@ -118,6 +118,16 @@ class DATDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+def add_positions(module, hidden_states, position_ids, position_embedding_type):
+    """Learned positions are added to the embeddings; RoPE gives `(cos, sin)` for the attention.
+    -> (hidden_states `[b, n, d]`, position_embeddings or None)."""
+    if position_embedding_type == "learned":
+        return hidden_states + module.embed_positions(position_ids), None
+    if position_embedding_type == "rope":
+        return hidden_states, module.rotary_emb(hidden_states, position_ids)
+    return hidden_states, None
+
+
 def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
                       graph_adjacency=None, causal=True):
     """Every layer's (sensory, relational) biases and their masks, each distinct bias built once per forward."""
@@ -317,12 +327,8 @@ class DATModel(DATPreTrainedModel):
             position_ids = position_ids[None]
         self._check_positions(position_ids)
 
-        hidden_states = inputs_embeds
-        position_embeddings = None
-        if self.config.position_embedding_type == "learned":
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        elif self.config.position_embedding_type == "rope":
-            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
+                                                           self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
         layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, past_key_values,

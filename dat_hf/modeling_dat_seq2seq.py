@@ -42,8 +42,11 @@ from .modeling_dat import (
     DATDecoderLayer,
     DATModel,
     DATPreTrainedModel,
+    add_positions,
     attentions_imply_relations,
+    build_layer_masks,
     make_norm,
+    run_dat_layers,
 )
 from .symbol_retrieval import SymbolRetrievers
 
@@ -372,28 +375,16 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
             kwargs.pop(key, None)
         if position_ids is None:
             position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, 0, inputs_embeds.device)
-        hidden_states = inputs_embeds
-        position_embeddings = None
-        if stack.position_embedding_type == "learned":
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        elif stack.position_embedding_type == "rope":
-            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
+                                                           stack.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases = [self.config.encoder_layer_bias(i) for i in range(self.config.encoder_layers)]
-        masks = build_masks(layer_biases, self.config, inputs_embeds, attention_mask, causal=False)
-        retrievers = self.symbol_retrievers
-        symbols = None
-        if retrievers is not None and retrievers.shared and retrievers.feature_independent:
-            symbols = retrievers(0, hidden_states, position_ids)
-        for i, layer in enumerate(self.layers):
-            layer_symbols = symbols
-            if retrievers is not None and layer_symbols is None:
-                layer_symbols = retrievers(i, hidden_states, position_ids)
-            mask = masks[layer_biases[i]]
-            hidden_states = layer(hidden_states, layer_symbols, position_embeddings=position_embeddings,
-                                  sensory_mask=mask, relational_mask=mask, output_attentions=output_attentions,
-                                  **kwargs)
+        biases = [self.config.encoder_layer_bias(i) for i in range(self.config.encoder_layers)]
+        masks = build_masks(biases, self.config, inputs_embeds, attention_mask, causal=False)
+        hidden_states = run_dat_layers(
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, [(b, b) for b in biases], masks,
+            position_embeddings=position_embeddings, output_attentions=output_attentions, **kwargs,
+        )
         hidden_states = self.norm(hidden_states)
         return DATEncoderOutput(last_hidden_state=hidden_states)
 
@@ -469,25 +460,17 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             position_ids = position_ids[None]
         self._check_positions(position_ids)
 
-        hidden_states = inputs_embeds
-        position_embeddings = None
-        if self.config.position_embedding_type == "learned":
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        elif self.config.position_embedding_type == "rope":
-            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
+                                                           self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases = [
-            (self.config.layer_bias(i, relational=False), self.config.layer_bias(i, relational=True))
-            for i in range(self.config.num_hidden_layers)
-        ]
-        masks = build_masks([bias for pair in layer_biases for bias in pair], self.config, inputs_embeds,
-                            attention_mask, self_cache, position_ids, causal=True)
+        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, self_cache, position_ids,
+                                                causal=True)
         cross_mask = build_cross_attention_mask(self.config, inputs_embeds, encoder_hidden_states, encoder_attention_mask)
 
         retrievers = self.symbol_retrievers
         shared_symbols = retrievers is not None and retrievers.shared and retrievers.feature_independent
-        symbols = source_symbols = None
+        symbols = None
         needs_source = self.config.cross_relational_heads > 0
         source_positions = None
         if needs_source:
