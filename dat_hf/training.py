@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -51,13 +52,13 @@ def preset_path(name_or_path: str, config_dir: str | os.PathLike | None = None) 
 def parse_config_overrides(overrides: str | None) -> dict:
     """`"hidden_size=64,num_hidden_layers=2,hidden_act=gelu"` -> a dict of JSON-parsed values (strings otherwise)."""
     result = {}
-    for item in (overrides or "").split(","):
+    for item in re.split(r",(?![^\[]*\])", overrides or ""):  # commas inside [...] belong to a list value
         item = item.strip()
         if not item:
             continue
         if "=" not in item:
             raise ValueError(f"Config overrides must look like `field=value`, got {item!r}.")
-        key, value = (s.strip() for s in item.split("=", 1))
+        key, value = (part.strip() for part in item.split("=", 1))
         try:
             result[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -48,6 +48,7 @@ import dat_hf  # noqa: E402  (registers the Auto classes and the dat-text2text p
 from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig  # noqa: E402
 from dat_hf.math_data import DEFAULT_MODULES, build_char_tokenizer, math_dataset  # noqa: E402
 from dat_hf.pipeline_text2text import DATText2TextPipeline  # noqa: E402
+from dat_hf.training import parse_config_overrides  # noqa: E402
 
 EXACT_MATCH_PATH = REPO_ROOT / "metrics" / "exact_match"
 logger = logging.getLogger("train_seq2seq")
@@ -125,25 +126,6 @@ def load_data(data_args: DataArguments):
             raise ValueError(f"Column {column!r} not in the dataset (columns: {raw['train'].column_names}); set "
                              "--input_column / --target_column.")
     return raw
-
-
-def parse_config_overrides(overrides: str | None) -> dict:
-    """`"norm_type=layernorm,pre_norm=false,num_cross_relational_heads=2"` -> a dict (values parsed as JSON when
-    they are JSON, else kept as strings)."""
-    result = {}
-    import re
-
-    for item in re.split(r",(?![^\[]*\])", overrides or ""):  # commas inside [...] belong to a list value
-        if not item.strip():
-            continue
-        if "=" not in item:
-            raise ValueError(f"Config overrides must look like `field=value`, got {item.strip()!r}.")
-        key, value = (part.strip() for part in item.split("=", 1))
-        try:
-            result[key] = json.loads(value)
-        except json.JSONDecodeError:
-            result[key] = value
-    return result
 
 
 def build_config(model_args: ModelArguments, tokenizer) -> DATSeq2SeqConfig:
