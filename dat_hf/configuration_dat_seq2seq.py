@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Configuration of the encoder-decoder Dual Attention Transformer (`model_type="dat_seq2seq"`).
 
 One set of dual-attention fields (heads, symbols, relations, feed-forward, norms) describes both stacks, as in the

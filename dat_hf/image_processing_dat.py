@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Image processor of the vision DAT models, on the Pillow/NumPy backend (no torchvision needed).
 
 Steps: channel handling (RGB conversion, or grayscale conversion for 1-channel models), resize to `size`, rescale by

@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Dual Attention Transformer language model: DATModel, DATForCausalLM, DATForSequenceClassification.
 
 A DAT layer (pre-norm shown; post-norm is supported):
@@ -220,6 +224,7 @@ class DATPreTrainedModel(PreTrainedModel):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    # trf-ignore: TRF018 (every parameter of the family is initialised here; nothing is left to the base class)
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range

@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Encoder-decoder Dual Attention Transformer: DATSeq2SeqModel and DATForSeq2SeqLM.
 
     encoder layer:  x += DualAttention(norm(x), s(x))            bidirectional (any relational bias, `full` default)

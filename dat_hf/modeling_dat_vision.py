@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Vision Dual Attention Transformer (ViDAT): DATVisionModel and DATForImageClassification.
 
 A ViT whose layers are DAT layers (sensory heads beside relational heads), as the authors' `VisionDualAttnTransformer`:
