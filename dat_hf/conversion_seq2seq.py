@@ -36,8 +36,10 @@ from .conversion import (
     _norm_kwargs,
     dual_attention_kwargs,
     load_dual_attention,
+    load_encoder_block,
     load_feed_forward,
     load_symbol_retrievers,
+    load_transformer_block,
     symbol_retriever_kwargs,
 )
 
@@ -179,13 +181,7 @@ def convert_seq2seq(ref, **overrides):
         model.lm_head.bias.copy_(layers.final_out.bias.detach())
 
     for ours, theirs in zip(model.model.encoder.layers, layers.encoder_blocks):
-        _copy_norm(ours.input_layernorm, theirs.norm1)
-        _copy_norm(ours.post_attention_layernorm, theirs.norm2)
-        if is_dat:
-            load_dual_attention(ours.dual_attn, theirs.dual_attn, rope=False)
-        else:
-            _load_sensory(ours.dual_attn, theirs.self_attn)
-        load_feed_forward(ours.mlp, theirs.ff_block)
+        (load_encoder_block if is_dat else load_transformer_block)(ours, theirs, rope=False)
     for ours, theirs in zip(model.model.decoder.layers, layers.decoder_blocks):
         _copy_norm(ours.input_layernorm, theirs.norm1)
         _copy_norm(ours.cross_attention_layernorm, theirs.norm2)

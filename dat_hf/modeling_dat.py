@@ -122,6 +122,14 @@ class DATDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+def init_positions(module, config):
+    """Give `module` what `add_positions` uses: learned position embeddings or a RoPE module (or nothing)."""
+    if config.position_embedding_type == "learned":
+        module.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+    elif config.position_embedding_type == "rope":
+        module.rotary_emb = DATRotaryEmbedding(config)
+
+
 def add_positions(module, hidden_states, position_ids, position_embedding_type):
     """Learned positions are added to the embeddings; RoPE gives `(cos, sin)` for the attention.
     -> (hidden_states `[b, n, d]`, position_embeddings or None)."""
@@ -264,10 +272,7 @@ class DATModel(DATPreTrainedModel):
     def __init__(self, config: DATConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        if config.position_embedding_type == "learned":
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        elif config.position_embedding_type == "rope":
-            self.rotary_emb = DATRotaryEmbedding(config)
+        init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
         self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList(

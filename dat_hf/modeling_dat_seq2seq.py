@@ -39,7 +39,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, SensoryAttention
+from .dual_attention import DualAttention, RelationalAttention, SensoryAttention
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
     DATMLP,
@@ -49,6 +49,7 @@ from .modeling_dat import (
     add_positions,
     attentions_imply_relations,
     build_layer_masks,
+    init_positions,
     make_norm,
     run_dat_layers,
 )
@@ -334,10 +335,7 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         stack = encoder_stack_config(config)
         self.stack_config = stack
         self.embed_tokens = nn.Embedding(config.source_vocab_size, config.hidden_size, config.pad_token_id)
-        if stack.position_embedding_type == "learned":
-            self.embed_positions = nn.Embedding(stack.max_position_embeddings, config.hidden_size)
-        elif stack.position_embedding_type == "rope":
-            self.rotary_emb = DATRotaryEmbedding(stack)
+        init_positions(self, stack)
         self.dropout = nn.Dropout(config.embedding_dropout)
         self.symbol_retrievers = SymbolRetrievers(stack) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList([DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)])
@@ -407,10 +405,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     def __init__(self, config: DATSeq2SeqConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        if config.position_embedding_type == "learned":
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        elif config.position_embedding_type == "rope":
-            self.rotary_emb = DATRotaryEmbedding(config)
+        init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
         self.symbol_retrievers = SymbolRetrievers(decoder_symbol_config(config)) if config.decoder_uses_symbols else None
         self.layers = nn.ModuleList([DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
