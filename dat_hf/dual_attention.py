@@ -8,9 +8,10 @@ Relational attention (Altabaa & Lafferty, 2024), for receiver i and relational h
 
 With the identity relation activation, sum_j a_ij r_l(x_i, x_j) = <q_l(x_i), sum_j a_ij k_l(x_j)>, so relational
 heads are ordinary attention whose values are `[symbol values | relation keys]`: no `[b, n, n, R]` tensor is built,
-fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). Position-relative symbols and other
-relation activations use the "blocked" path: explicit attention weights, one block of receivers at a time,
-symbols gathered per relative offset (never an `[n, n, d]` tensor).
+fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). On CPU, the "tiled" path computes
+each relation once per pair for all heads instead (`TiledRelationalAttentionFunction`). Position-relative symbols
+and other relation activations use the "blocked" path: explicit attention weights, one block of receivers at a
+time, symbols gathered per relative offset (never an `[n, n, d]` tensor).
 """
 
 from collections.abc import Callable
@@ -194,9 +195,22 @@ class RelationalAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
+    # the tiled path serves CPU training and prefill in fp32/fp64 (see `tiled_relational_attention`)
+    use_tiled_kernel: bool = True
+
     @property
     def uses_fused_path(self) -> bool:
         return self.relation_act is None and not self.relative_symbols
+
+    def _takes_tiled_path(self, query, key, output_attentions) -> bool:
+        return (
+            self.use_tiled_kernel and self.uses_fused_path and not output_attentions
+            and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+            and not torch.is_autocast_enabled("cpu")  # autocast runs the matmuls in bf16: the fused path handles it
+            and query.shape[2] > 1 and query.shape[2] * key.shape[2] >= TILED_MIN_PAIRS
+            and not (self.training and self.attention_dropout > 0)
+            and not torch.compiler.is_compiling()
+        )
 
     def attention_query_key(self, hidden_states, position_embeddings=None):
         b, n, _ = hidden_states.shape
@@ -223,8 +237,16 @@ class RelationalAttention(nn.Module):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
         b, q_len = query.shape[0], query.shape[2]
-        # decoding (one receiver) takes the explicit path: cheaper than assembling fused values from the whole cache
-        if self.uses_fused_path and not output_attentions and q_len > 1:
+        if self._takes_tiled_path(query, key, output_attentions):
+            attended_symbols, attended_relations = tiled_relational_attention(
+                query, key, symbol_values, q_rel, k_rel, mask, self.scaling, self.relation_scaling,
+                self.num_key_value_groups)
+            weights = relations = None
+        elif self.uses_fused_path and not output_attentions and q_len == 1:
+            # decoding: explicit weights, cheaper than assembling fused values from the whole cache
+            attended_symbols, attended_relations = self._decode_step(query, key, symbol_values, q_rel, k_rel, mask)
+            weights = relations = None
+        elif self.uses_fused_path and not output_attentions:
             # values = [symbol values | relation keys]: sum_j a_ij k_rel_j rides along the symbols in one kernel
             kv_len = key.shape[2]
             k_rel_heads = k_rel[:, None].expand(b, self.num_kv_heads, kv_len, k_rel.shape[-1])
@@ -250,6 +272,22 @@ class RelationalAttention(nn.Module):
             out = out * mask.row_valid.transpose(1, 2).to(out.dtype)
             weights = None if weights is None else weights * mask.row_valid.to(weights.dtype)
         return self.o_proj(out.reshape(b, q_len, -1)), weights, relations
+
+    def _decode_step(self, query, key, symbol_values, q_rel, k_rel, mask):
+        """One receiver per row: query `[b, h, 1, d_h]` -> attended symbols `[b, 1, h, d_h]`, attended relations
+        `[b, 1, h, R]`. Query heads sharing a kv head are rows of one product (no repeated keys)."""
+        b, h, _, d = query.shape
+        kv_len = key.shape[2]
+        scores = torch.matmul(query.view(b, self.num_kv_heads, -1, d), key.transpose(2, 3)) * self.scaling
+        kernel_mask = additive_mask(mask, 1, kv_len, query.dtype, query.device)  # [b|1, 1, 1, kv] or None
+        if kernel_mask is not None:
+            scores = scores + kernel_mask
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = nn.functional.dropout(weights, p=self.attention_dropout, training=self.training)
+        attended_symbols = torch.matmul(weights, symbol_values).view(b, 1, h, d)
+        attended_keys = torch.bmm(weights.view(b, h, kv_len), k_rel).view(b, h, self.num_relations, -1)
+        attended_relations = (attended_keys * q_rel.view(b, 1, self.num_relations, -1)).sum(-1)
+        return attended_symbols, (attended_relations * self.relation_scaling).view(b, 1, h, self.num_relations)
 
     # ---- blocked path ------------------------------------------------------------------------------------------
     def _blocked_attention(self, query, key, symbol_values, q_rel, k_rel, mask, output_attentions,
@@ -321,6 +359,125 @@ class RelationalAttention(nn.Module):
             attended_relations = torch.einsum("bhqk,brqk->bhqr", weights, relations)
         return (attended_symbols, attended_relations.transpose(1, 2),
                 weights if output_attentions else None, relations if output_attentions else None)
+
+
+# ---- tiled path (CPU) --------------------------------------------------------------------------------------------
+# Relations computed once per (receiver, sender) pair and shared by every relational head: R * d_r + h * R
+# multiply-adds per pair, instead of h * R * d_r when each head attends over the relation keys (the fused path).
+# One tile = one batch row x a block of receivers x the senders they can see; backward recomputes the tile's
+# scores, so memory stays linear in the sequence length.
+TILE_SCORE_ELEMENTS = 1 << 20
+# below this many (receiver, sender) pairs the fused path is cheaper (fewer, larger kernel calls)
+TILED_MIN_PAIRS = 1 << 16
+
+_UPPER_TRIANGLES = {}
+
+
+def _upper_triangle(size: int, device) -> torch.Tensor:
+    """bool `[size, size]`, True strictly above the diagonal (the future senders of a causal diagonal square)."""
+    key = (size, str(device))
+    if key not in _UPPER_TRIANGLES:
+        _UPPER_TRIANGLES[key] = torch.ones(size, size, dtype=torch.bool, device=device).triu_(1)
+    return _UPPER_TRIANGLES[key]
+
+
+def _tiles(batch: int, heads: int, q_len: int, kv_len: int, causal: bool):
+    """Yield (b, s, e, E): batch row b, receivers [s, e), senders [0, E) (causal tiles stop at their last receiver)."""
+    rows = max(1, min(q_len, TILE_SCORE_ELEMENTS // max(1, heads * kv_len)))
+    offset = kv_len - q_len
+    for b in range(batch):
+        for s in range(0, q_len, rows):
+            e = min(q_len, s + rows)
+            yield b, s, e, (offset + e if causal else kv_len)
+
+
+def _tile_probabilities(query, key, mask, b, s, e, E, causal):
+    """Attention weights of one tile: `[h, e - s, E]` (query tile pre-scaled; mask additive float or bool True =
+    drop)."""
+    scores = torch.matmul(query, key[b, :, :E].transpose(1, 2))
+    if mask is not None:
+        tile = mask[min(b, mask.shape[0] - 1), :, s:e, :E]
+        if tile.dtype == torch.bool:
+            scores.masked_fill_(tile, torch.finfo(scores.dtype).min)
+        else:
+            scores.add_(tile)
+    elif causal and e - s > 1:  # senders after the receiver sit in the tile's last (e - s) columns
+        scores[:, :, E - (e - s):].masked_fill_(_upper_triangle(e - s, scores.device), torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1)
+
+
+class TiledRelationalAttentionFunction(torch.autograd.Function):
+    """Relational attention with shared relations, tile by tile; inputs may be strided views (nothing is copied).
+
+    query `[b, h, q, d_h]`, key, symbol values `[b, h, kv, d_h]` (symbol values may be expanded over the batch),
+    relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, mask None or `[b|1, 1|h, q, kv]` (additive
+    float, or bool True = drop) -> attended symbols `[b, q, h, d_h]`, attended relations `[b, q, h, R]`:
+
+        P = softmax(scaling q k^T + mask)          rel_l = relation_scaling q_rel,l k_rel,l^T          (per tile)
+        symbols = P v                              relations[i, h, l] = sum_j P[h, i, j] rel_l[i, j]
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling):
+        b, h, q_len, d = query.shape
+        symbols = query.new_empty(b, q_len, h, d)
+        relations = query.new_empty(b, q_len, h, q_rel.shape[2])
+        for i, s, e, E in _tiles(b, h, q_len, key.shape[2], causal):
+            probs = _tile_probabilities(query[i, :, s:e] * scaling, key, mask, i, s, e, E, causal)  # [h, m, E]
+            symbols[i, s:e] = torch.matmul(probs, values[i, :, :E]).transpose(0, 1)
+            q_rel_tile = q_rel[i, s:e].transpose(0, 1) * relation_scaling  # [R, m, d_r]
+            rel = torch.matmul(q_rel_tile, k_rel[i, :E].permute(1, 2, 0))  # [R, m, E]
+            torch.bmm(probs.transpose(0, 1), rel.permute(1, 2, 0), out=relations[i, s:e])  # per receiver [h, R]
+        ctx.save_for_backward(query, key, values, q_rel, k_rel, mask)
+        ctx.causal, ctx.scaling, ctx.relation_scaling = causal, scaling, relation_scaling
+        return symbols, relations
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_symbols, grad_relations):
+        query, key, values, q_rel, k_rel, mask = ctx.saved_tensors
+        scaling, relation_scaling = ctx.scaling, ctx.relation_scaling
+        b, h, q_len, _ = query.shape
+        grad_q, grad_k, grad_v = (query.new_zeros(t.shape) for t in (query, key, values))
+        grad_q_rel, grad_k_rel = query.new_zeros(q_rel.shape), query.new_zeros(k_rel.shape)
+        grad_symbols = grad_symbols.contiguous()  # [b, q, h, d_h]
+        grad_relations = grad_relations.contiguous()  # [b, q, h, R]
+        for i, s, e, E in _tiles(b, h, q_len, key.shape[2], ctx.causal):
+            q_tile = query[i, :, s:e] * scaling
+            probs = _tile_probabilities(q_tile, key, mask, i, s, e, E, ctx.causal)  # [h, m, E]
+            q_rel_tile = q_rel[i, s:e].transpose(0, 1) * relation_scaling  # [R, m, d_r]
+            rel = torch.matmul(q_rel_tile, k_rel[i, :E].permute(1, 2, 0))  # [R, m, E]
+            g_symbols = grad_symbols[i, s:e].transpose(0, 1)  # [h, m, d_h]
+            g_relations = grad_relations[i, s:e]  # [m, h, R]
+            # dP = dRelations rel + dSymbols v^T
+            grad_probs = torch.bmm(g_relations, rel.transpose(0, 1)).transpose(0, 1)  # [h, m, E]
+            grad_probs.baddbmm_(g_symbols, values[i, :, :E].transpose(1, 2))
+            # d rel_l[i, j] = sum_h dRelations[i, h, l] P[h, i, j]
+            grad_rel = torch.bmm(g_relations.transpose(1, 2), probs.transpose(0, 1)).transpose(0, 1)  # [R, m, E]
+            grad_v[i, :, :E] += torch.matmul(probs.transpose(1, 2), g_symbols)
+            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+            grad_q[i, :, s:e] = torch.matmul(grad_scores, key[i, :, :E]) * scaling
+            grad_k[i, :, :E] += torch.matmul(grad_scores.transpose(1, 2), q_tile)
+            grad_q_rel[i, s:e] = (torch.matmul(grad_rel, k_rel[i, :E].transpose(0, 1)) * relation_scaling).transpose(0, 1)
+            grad_k_rel[i, :E] += torch.matmul(grad_rel.transpose(1, 2), q_rel_tile).transpose(0, 1)
+        return grad_q, grad_k, grad_v, grad_q_rel, grad_k_rel, None, None, None, None
+
+
+def tiled_relational_attention(query, key, symbol_values, q_rel, k_rel, mask: AttentionMask, scaling: float,
+                               relation_scaling: float, num_key_value_groups: int = 1):
+    """Relational attention on the tiled path. query `[b, h, q, d_h]`, key, symbol values `[b|1, h_kv, kv, d_h]`,
+    q_rel `[b, q, R, d_r]`, k_rel `[b, kv, R * d_r]` -> attended symbols `[b, q, h, d_h]`, attended relations
+    `[b, q, h, R]` (with the relation scaling)."""
+    b, kv_len, num_relations = key.shape[0], key.shape[2], q_rel.shape[2]
+    key = repeat_kv(key, num_key_value_groups)
+    symbol_values = repeat_kv(symbol_values.expand(b, -1, -1, -1), num_key_value_groups)
+    k_rel = k_rel.view(b, kv_len, num_relations, -1)
+    kernel_mask = mask.mask
+    if kernel_mask is not None:
+        kernel_mask = ~kernel_mask if kernel_mask.dtype == torch.bool else kernel_mask.to(query.dtype)
+    causal = mask.mask is None and mask.is_causal
+    return TiledRelationalAttentionFunction.apply(query, key, symbol_values, q_rel, k_rel, kernel_mask, causal,
+                                                  scaling, relation_scaling)
 
 
 class DualAttention(nn.Module):

@@ -11,6 +11,7 @@ A new retriever is one small class with `forward(hidden_states, position_ids, sy
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class SymbolicAttention(nn.Module):
@@ -32,8 +33,15 @@ class SymbolicAttention(nn.Module):
             )
 
     def forward(self, hidden_states, position_ids=None, symbol_library=None):
-        b, n, d = hidden_states.shape
         library = self.symbol_library if symbol_library is None else symbol_library
+        if self.training and torch.is_grad_enabled():
+            # cheap to recompute (attention over a small library), so backward recomputes it rather than keeping the
+            # query projection and attention output of every layer alive
+            return checkpoint(self._retrieve, hidden_states, library, use_reentrant=False)
+        return self._retrieve(hidden_states, library)
+
+    def _retrieve(self, hidden_states, library):
+        b, n, d = hidden_states.shape
         query = self.q_proj(hidden_states).view(b, n, self.num_heads, -1).transpose(1, 2)  # [b, h, n, d/h]
         key = self.template_features.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]  # [1, h, S, d/h]
         value = library.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]

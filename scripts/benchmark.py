@@ -5,7 +5,8 @@ Transformers' LlamaForCausalLM of the same width, depth, total heads and FFN.
     python scripts/benchmark.py train --seq 256 512 1024 --repeats 3 --out runs/bench
     python scripts/benchmark.py generate --prompt 16 1024 --new-tokens 512 --out runs/bench
 
-Every measurement runs in its own process (peak memory = that process's max RSS); models alternate within each
+Every measurement runs in its own process (peak memory = that process's max RSS; "net" = peak minus the RSS once the
+model and optimizer are built, i.e. what training adds); models alternate within each
 repetition, so machine drift hits all alike. Prints a table of medians and ratios, writes JSON (and PNG scaling
 curves for `train` when matplotlib is available).
 """
@@ -65,7 +66,10 @@ def worker_train(args):
     torch.set_num_threads(args.threads)
     model = build(args.impl, **model_kwargs(args)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if args.compile:  # the first (warm-up) step compiles; dat_hf and Llama compile as one graph
+        model = torch.compile(model, fullgraph=args.impl != "reference")
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # interpreter, libraries and the model
     times = []
     for step in range(args.steps + 1):
         start = time.perf_counter()
@@ -77,7 +81,8 @@ def worker_train(args):
         if step > 0:  # the first step warms up
             times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
-    print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak}))
+    # net = what training added on top of the process after the model was built (activations, gradients, AdamW)
+    print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base}))
 
 
 def worker_generate(args):
@@ -100,6 +105,9 @@ def run_worker(mode, impl, args, **extra):
     cmd = [sys.executable, __file__, f"_{mode}", "--impl", impl, "--threads", str(args.threads)]
     for key, value in {**vars(args), **extra}.items():
         if key in ("mode", "impl", "threads", "seq", "prompt", "out", "impls", "repeats", "func"):
+            continue
+        if isinstance(value, bool):
+            cmd += [f"--{key.replace('_', '-')}"] if value else []
             continue
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     for key in ("seq", "prompt"):
@@ -127,10 +135,12 @@ def main_train(args):
                     continue
                 runs[impl].append(run_worker("train", impl, args, seq=seq, max_len=max(seq, args.max_len)))
         table[seq] = {impl: {"time_s": summarize(r, "time_s"), "peak_gib": summarize(r, "peak_gib"),
-                             "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+                             "net_gib": summarize(r, "net_gib"), "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
     print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={args.hidden}, {args.layers} layers, "
-          f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads")
-    print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'t/ref':>7} {'t/llama':>8} {'m/ref':>7} {'m/llama':>8}")
+          f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads"
+          + (", torch.compile" if args.compile else ""))
+    print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'net GiB':>8} {'t/ref':>7} {'t/llama':>8} "
+          f"{'m/ref':>7} {'m/llama':>8} {'net/ref':>8} {'net/llama':>9}")
     for seq, row in table.items():
         for impl, r in row.items():
             def ratio(key, other):
@@ -138,8 +148,10 @@ def main_train(args):
                 return f"{r[key] / base:.2f}" if r[key] and base else "-"
             t = f"{r['time_s']:.3f}" if r["time_s"] else "-"
             m = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "-"
-            print(f"{seq:>6} {impl:>10} {t:>9} {m:>9} {ratio('time_s', 'reference'):>7} {ratio('time_s', 'llama'):>8} "
-                  f"{ratio('peak_gib', 'reference'):>7} {ratio('peak_gib', 'llama'):>8}")
+            net = f"{r['net_gib']:.2f}" if r["net_gib"] else "-"
+            print(f"{seq:>6} {impl:>10} {t:>9} {m:>9} {net:>8} {ratio('time_s', 'reference'):>7} "
+                  f"{ratio('time_s', 'llama'):>8} {ratio('peak_gib', 'reference'):>7} {ratio('peak_gib', 'llama'):>8} "
+                  f"{ratio('net_gib', 'reference'):>8} {ratio('net_gib', 'llama'):>9}")
     return table
 
 
@@ -206,6 +218,7 @@ def parser():
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reference-max-seq", type=int, default=2048)
+    p.add_argument("--compile", action="store_true", help="train: torch.compile every model (fullgraph for dat_hf, Llama)")
     p.add_argument("--out", default=None)
     return p
 
