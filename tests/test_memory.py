@@ -1,0 +1,70 @@
+"""Training memory: activations kept for backward grow linearly with the sequence length, and the symbol retrieval
+that backward recomputes gives the same gradients as keeping it."""
+
+import pytest
+import torch
+
+import dat_hf.dual_attention as dual_attention
+from dat_hf import DATForCausalLM
+from dat_hf.symbol_retrieval import SymbolicAttention
+
+from conftest import tiny_config
+
+
+def saved_bytes(model, seq_len, batch=2):
+    """Bytes of distinct storages autograd keeps for backward after one training forward."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x, labels=x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_saved_activations_grow_linearly(tiled, monkeypatch):
+    """Doubling the sequence doubles what is kept for backward (no n x n term on either relational path)."""
+    monkeypatch.setattr(dual_attention.RelationalAttention, "use_tiled_kernel", tiled)
+    monkeypatch.setattr(dual_attention, "TILED_MIN_PAIRS", 0)
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(max_position_embeddings=1024, vocab_size=16)).train()
+    small, large = saved_bytes(model, 256), saved_bytes(model, 512)
+    # an n x n float tensor per head would make this ratio ~4 at these sizes
+    assert 1.8 < large / small < 2.2, (small, large)
+
+
+def test_symbol_retrieval_recomputed_in_backward_matches_kept():
+    torch.manual_seed(0)
+    config = tiny_config()
+    retriever = SymbolicAttention(config).train()
+    for p in retriever.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(2, 7, config.hidden_size, requires_grad=True)
+    grad = torch.randn(2, 7, config.hidden_size)
+
+    recomputed = retriever(x)  # training + grad enabled: checkpointed
+    got = torch.autograd.grad(recomputed, [x, *retriever.parameters()], grad)
+    kept = retriever._retrieve(x, retriever.symbol_library)
+    expected = torch.autograd.grad(kept, [x, *retriever.parameters()], grad)
+    torch.testing.assert_close(recomputed, kept)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+    # what is kept for backward: the checkpointed retrieval keeps less than the plain one
+    def kept_bytes(fn):
+        storages = {}
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            fn()
+        return sum(storages.values())
+
+    assert kept_bytes(lambda: retriever(x)) < kept_bytes(lambda: retriever._retrieve(x, retriever.symbol_library))
