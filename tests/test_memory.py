@@ -11,19 +11,23 @@ from dat_hf.symbol_retrieval import SymbolicAttention
 from conftest import tiny_config
 
 
-def saved_bytes(model, seq_len, batch=2):
-    """Bytes of distinct storages autograd keeps for backward after one training forward."""
+def kept_bytes(fn):
+    """Bytes of distinct storages autograd keeps for backward while `fn()` runs."""
     storages = {}
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    x = torch.randint(0, model.config.vocab_size, (batch, seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(x, labels=x)
+        fn()
     return sum(storages.values())
+
+
+def saved_bytes(model, seq_len, batch=2):
+    """What one training forward of `model` keeps for backward."""
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len))
+    return kept_bytes(lambda: model(x, labels=x))
 
 
 @pytest.mark.parametrize("tiled", [True, False])
@@ -56,15 +60,4 @@ def test_symbol_retrieval_recomputed_in_backward_matches_kept():
         torch.testing.assert_close(g, e)
 
     # what is kept for backward: the checkpointed retrieval keeps less than the plain one
-    def kept_bytes(fn):
-        storages = {}
-
-        def pack(tensor):
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            fn()
-        return sum(storages.values())
-
     assert kept_bytes(lambda: retriever(x)) < kept_bytes(lambda: retriever._retrieve(x, retriever.symbol_library))
