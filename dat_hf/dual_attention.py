@@ -422,13 +422,13 @@ class TiledRelationalAttentionFunction(torch.autograd.Function):
         b, h, q_len, d = query.shape
         symbols = query.new_empty(b, q_len, h, d)
         relations = query.new_empty(b, q_len, h, q_rel.shape[2])
-        for i, s, e, E in _tiles(b, h, q_len, key.shape[2], causal):
-            probs = _tile_probabilities(query[i, :, s:e] * scaling, key, mask, i, s, e, E, causal)  # [h, m, E]
-            symbols[i, s:e] = torch.matmul(probs, values[i, :, :E]).transpose(0, 1)
-            q_rel_tile = q_rel[i, s:e].transpose(0, 1) * relation_scaling  # [R, m, d_r]
-            rel = torch.matmul(q_rel_tile, k_rel[i, :E].permute(1, 2, 0))  # [R, m, E]
-            torch.bmm(probs.transpose(0, 1), rel.permute(1, 2, 0), out=relations[i, s:e])  # per receiver [h, R]
         ctx.save_for_backward(query, key, values, q_rel, k_rel, mask)
+        query, q_rel = query * scaling, q_rel * relation_scaling  # scaled once, not per tile
+        for i, s, e, E in _tiles(b, h, q_len, key.shape[2], causal):
+            probs = _tile_probabilities(query[i, :, s:e], key, mask, i, s, e, E, causal)  # [h, m, E]
+            symbols[i, s:e] = torch.matmul(probs, values[i, :, :E]).transpose(0, 1)
+            rel = torch.matmul(q_rel[i, s:e].transpose(0, 1), k_rel[i, :E].permute(1, 2, 0))  # [R, m, E]
+            torch.bmm(probs.transpose(0, 1), rel.permute(1, 2, 0), out=relations[i, s:e])  # per receiver [h, R]
         ctx.causal, ctx.scaling, ctx.relation_scaling = causal, scaling, relation_scaling
         return symbols, relations
 
@@ -442,24 +442,28 @@ class TiledRelationalAttentionFunction(torch.autograd.Function):
         grad_q_rel, grad_k_rel = query.new_zeros(q_rel.shape), query.new_zeros(k_rel.shape)
         grad_symbols = grad_symbols.contiguous()  # [b, q, h, d_h]
         grad_relations = grad_relations.contiguous()  # [b, q, h, R]
+        query, q_rel = query * scaling, q_rel * relation_scaling
         for i, s, e, E in _tiles(b, h, q_len, key.shape[2], ctx.causal):
-            q_tile = query[i, :, s:e] * scaling
+            q_tile = query[i, :, s:e]  # [h, m, d_h]
             probs = _tile_probabilities(q_tile, key, mask, i, s, e, E, ctx.causal)  # [h, m, E]
-            q_rel_tile = q_rel[i, s:e].transpose(0, 1) * relation_scaling  # [R, m, d_r]
+            q_rel_tile = q_rel[i, s:e].transpose(0, 1)  # [R, m, d_r]
             rel = torch.matmul(q_rel_tile, k_rel[i, :E].permute(1, 2, 0))  # [R, m, E]
             g_symbols = grad_symbols[i, s:e].transpose(0, 1)  # [h, m, d_h]
             g_relations = grad_relations[i, s:e]  # [m, h, R]
-            # dP = dRelations rel + dSymbols v^T
-            grad_probs = torch.bmm(g_relations, rel.transpose(0, 1)).transpose(0, 1)  # [h, m, E]
-            grad_probs.baddbmm_(g_symbols, values[i, :, :E].transpose(1, 2))
+            # dP = dSymbols v^T + dRelations rel (the second product is receiver-major: added as a transposed view,
+            # since accumulating into a transposed view makes the kernel copy it twice)
+            grad_probs = torch.matmul(g_symbols, values[i, :, :E].transpose(1, 2))  # [h, m, E]
+            grad_probs.add_(torch.bmm(g_relations, rel.transpose(0, 1)).transpose(0, 1))
             # d rel_l[i, j] = sum_h dRelations[i, h, l] P[h, i, j]
             grad_rel = torch.bmm(g_relations.transpose(1, 2), probs.transpose(0, 1)).transpose(0, 1)  # [R, m, E]
             grad_v[i, :, :E] += torch.matmul(probs.transpose(1, 2), g_symbols)
             grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-            grad_q[i, :, s:e] = torch.matmul(grad_scores, key[i, :, :E]) * scaling
+            grad_q[i, :, s:e] = torch.matmul(grad_scores, key[i, :, :E])  # scaled after the loop
             grad_k[i, :, :E] += torch.matmul(grad_scores.transpose(1, 2), q_tile)
-            grad_q_rel[i, s:e] = (torch.matmul(grad_rel, k_rel[i, :E].transpose(0, 1)) * relation_scaling).transpose(0, 1)
+            grad_q_rel[i, s:e] = torch.matmul(grad_rel, k_rel[i, :E].transpose(0, 1)).transpose(0, 1)
             grad_k_rel[i, :E] += torch.matmul(grad_rel.transpose(1, 2), q_rel_tile).transpose(0, 1)
+        grad_q.mul_(scaling)
+        grad_q_rel.mul_(relation_scaling)
         return grad_q, grad_k, grad_v, grad_q_rel, grad_k_rel, None, None, None, None
 
 

@@ -74,8 +74,45 @@ def make_norm(config) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
+class ActivationDownProjection(torch.autograd.Function):
+    """`down(act(gate) * up)` (or `down(act(gate))` when `up` is None) that keeps only `gate` and `up` for backward
+    and recomputes the `[b, n, f]` activation there: two fewer f-wide tensors per layer than autograd keeps, at the
+    cost of one elementwise pass. gate, up `[..., f]`, weight `[d, f]`, bias `[d]` or None -> `[..., d]`."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, act_fn):
+        ctx.act_fn = act_fn
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return nn.functional.linear(ActivationDownProjection._hidden(act_fn, gate, up), weight, bias)
+
+    @staticmethod
+    def _hidden(act_fn, gate, up):
+        hidden = act_fn(gate)
+        return hidden if up is None else hidden * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        with torch.enable_grad():  # recompute the activation, with a graph back to gate and up
+            gate = gate.detach().requires_grad_()
+            up = None if up is None else up.detach().requires_grad_()
+            hidden = ActivationDownProjection._hidden(ctx.act_fn, gate, up)
+        # under autocast the forward ran in the autocast dtype, which grad_out carries
+        grad_hidden = grad_out @ weight.to(grad_out.dtype)  # [..., f]
+        flat_grad = grad_out.flatten(0, -2)
+        grad_weight = (flat_grad.t() @ hidden.detach().flatten(0, -2).to(grad_out.dtype)).to(weight.dtype)
+        grad_bias = flat_grad.sum(0).to(weight.dtype) if ctx.has_bias else None
+        if up is None:
+            return torch.autograd.grad(hidden, gate, grad_hidden)[0], None, grad_weight, grad_bias, None
+        grad_gate, grad_up = torch.autograd.grad(hidden, (gate, up), grad_hidden)
+        return grad_gate, grad_up, grad_weight, grad_bias, None
+
+
 class DATMLP(nn.Module):
-    """Feed-forward: `down(act(gate(x)) * up(x))` for swiglu, else `down(act(up(x)))`."""
+    """Feed-forward: `down(act(gate(x)) * up(x))` for swiglu, else `down(act(up(x)))`. In training the activation is
+    recomputed in backward (`ActivationDownProjection`) unless `down_proj` is wrapped (PEFT, quantization, hooks)."""
 
     def __init__(self, config):
         super().__init__()
@@ -87,11 +124,26 @@ class DATMLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=bias)
         self.down_proj.residual_init = True
         self.act_fn = ACT2FN["silu" if self.gated else config.hidden_act]
+        # relu's backward needs only its output, which down_proj keeps anyway: nothing to gain by recomputing it
+        self.recompute_activation = config.hidden_act != "relu"
 
     def forward(self, x):
-        if self.gated:
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+        up = self.up_proj(x)
+        gate, up = (self.gate_proj(x), up) if self.gated else (up, None)
+        if self._recomputes_activation(gate):
+            return ActivationDownProjection.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act_fn)
+        hidden = self.act_fn(gate)
+        return self.down_proj(hidden if up is None else hidden * up)
+
+    def _recomputes_activation(self, gate) -> bool:
+        down = self.down_proj
+        return (
+            self.recompute_activation
+            and gate.requires_grad
+            and type(down) is nn.Linear
+            and not (down._forward_hooks or down._forward_pre_hooks)
+            and not torch.compiler.is_compiling()  # the compiler chooses what to recompute itself
+        )
 
 
 class DATDecoderLayer(GradientCheckpointingLayer):

@@ -114,6 +114,8 @@ def run_worker(mode, impl, args, **extra):
         if key in extra:
             cmd += [f"--{key}", str(extra[key])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if args.mmap_threshold:  # glibc then maps every larger block on its own and unmaps it when freed
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
@@ -138,7 +140,8 @@ def main_train(args):
                              "net_gib": summarize(r, "net_gib"), "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
     print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={args.hidden}, {args.layers} layers, "
           f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads"
-          + (", torch.compile" if args.compile else ""))
+          + (", torch.compile" if args.compile else "")
+          + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
     print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'net GiB':>8} {'t/ref':>7} {'t/llama':>8} "
           f"{'m/ref':>7} {'m/llama':>8} {'net/ref':>8} {'net/llama':>9}")
     for seq, row in table.items():
@@ -219,6 +222,9 @@ def parser():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reference-max-seq", type=int, default=2048)
     p.add_argument("--compile", action="store_true", help="train: torch.compile every model (fullgraph for dat_hf, Llama)")
+    p.add_argument("--mmap-threshold", type=int, default=0,
+                   help="fixed glibc mmap threshold in bytes for every worker (e.g. 131072): peak RSS then follows the "
+                        "live tensors instead of the allocator's heap, which by default keeps freed blocks mapped")
     p.add_argument("--out", default=None)
     return p
 

@@ -6,6 +6,7 @@ import torch
 
 import dat_hf.dual_attention as dual_attention
 from dat_hf import DATForCausalLM
+from dat_hf.modeling_dat import DATMLP
 from dat_hf.symbol_retrieval import SymbolicAttention
 
 from conftest import tiny_config
@@ -61,3 +62,32 @@ def test_symbol_retrieval_recomputed_in_backward_matches_kept():
 
     # what is kept for backward: the checkpointed retrieval keeps less than the plain one
     assert kept_bytes(lambda: retriever(x)) < kept_bytes(lambda: retriever._retrieve(x, retriever.symbol_library))
+
+
+# f-wide activations no longer kept: act(gate) and act(gate) * up for swiglu; act(up) for gelu; none for relu, whose
+# backward needs only its output, which the down projection keeps anyway
+@pytest.mark.parametrize("hidden_act, mlp_bias, fewer", [("swiglu", False, 2), ("swiglu", True, 2), ("gelu", True, 1),
+                                                         ("relu", False, 0)])
+def test_mlp_recomputes_activation_in_backward(hidden_act, mlp_bias, fewer):
+    """`ActivationDownProjection` keeps only the gate/up outputs and gives the plain module's outputs and
+    gradients."""
+    torch.manual_seed(0)
+    mlp = DATMLP(tiny_config(hidden_act=hidden_act, mlp_bias=mlp_bias, intermediate_size=96)).train()
+    x = torch.randn(2, 5, mlp.up_proj.in_features, requires_grad=True)
+    grad = torch.randn(2, 5, mlp.down_proj.out_features)
+    params = [x, *mlp.parameters()]
+
+    out = mlp(x)
+    got = torch.autograd.grad(out, params, grad)
+    hook = mlp.down_proj.register_forward_hook(lambda *args: None)  # a wrapped down_proj takes the plain path
+    plain = mlp(x)
+    expected = torch.autograd.grad(plain, params, grad)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+    plain_kept = kept_bytes(lambda: mlp(x))
+    hook.remove()
+    kept = kept_bytes(lambda: mlp(x))
+    f_tensor = 2 * 5 * 96 * 4  # one float32 [2, 5, f] activation
+    assert plain_kept - kept == fewer * f_tensor, (plain_kept, kept)

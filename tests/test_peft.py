@@ -68,3 +68,26 @@ def test_lora_on_relational_and_sensory_projections(tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged, expected, atol=1e-4, rtol=1e-4)
     assert (plain - expected).abs().max() > 1e-3  # the adapters change the outputs
+
+
+def test_lora_on_mlp_down_projection_is_not_bypassed():
+    """The MLP's recomputing training path reads `down_proj.weight` directly; a LoRA-wrapped down_proj must take the
+    plain path so the adapter is in the forward and gets gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    model = get_peft_model(DATForCausalLM(tiny_config()), LoraConfig(r=2, target_modules=["down_proj"],
+                                                                      lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # B starts at zero: make the adapter change the outputs
+    model.train()
+    x = torch.randint(0, model.config.vocab_size, (2, 6))
+    out = model(input_ids=x, labels=x)
+    with model.disable_adapter():
+        assert not torch.allclose(model(input_ids=x).logits, out.logits)
+    out.loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
