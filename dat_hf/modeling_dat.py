@@ -88,6 +88,7 @@ class ActivationDownProjection(torch.autograd.Function):
 
     @staticmethod
     def _hidden(act_fn, gate, up):
+        """`act(gate) * up`, or `act(gate)` when `up` is None (also the plain path of `DATMLP`)."""
         hidden = act_fn(gate)
         return hidden if up is None else hidden * up
 
@@ -132,8 +133,7 @@ class DATMLP(nn.Module):
         gate, up = (self.gate_proj(x), up) if self.gated else (up, None)
         if self._recomputes_activation(gate):
             return ActivationDownProjection.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act_fn)
-        hidden = self.act_fn(gate)
-        return self.down_proj(hidden if up is None else hidden * up)
+        return self.down_proj(ActivationDownProjection._hidden(self.act_fn, gate, up))
 
     def _recomputes_activation(self, gate) -> bool:
         down = self.down_proj
