@@ -8,8 +8,9 @@ Relational attention (Altabaa & Lafferty, 2024), for receiver i and relational h
 
 With the identity relation activation, sum_j a_ij r_l(x_i, x_j) = <q_l(x_i), sum_j a_ij k_l(x_j)>, so relational
 heads are ordinary attention whose values are `[symbol values | relation keys]`: no `[b, n, n, R]` tensor is built,
-fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). On CPU, the "tiled" path computes
-each relation once per pair for all heads instead (`TiledRelationalAttentionFunction`). Position-relative symbols
+fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). On CPU, relations are computed once
+per pair for all heads instead: by a compiled flash-style kernel (fp32, causal or unmasked; `relational_kernel_cpu.py`)
+or, for other masks and fp64, by the "tiled" path (`TiledRelationalAttentionFunction`). Position-relative symbols
 and other relation activations use the "blocked" path: explicit attention weights, one block of receivers at a
 time, symbols gathered per relative offset (never an `[n, n, d]` tensor).
 """
@@ -22,6 +23,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masking_dat import AttentionMask, additive_mask
+from .relational_kernel_cpu import cpu_kernel_ready, cpu_relational_attention, load_cpu_kernel
 
 # receivers per block in the blocked path are chosen so one block's scores stay below this many elements
 BLOCK_SCORE_ELEMENTS = 1 << 22
@@ -195,21 +197,34 @@ class RelationalAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    # the tiled path serves CPU training and prefill in fp32/fp64 (see `tiled_relational_attention`)
+    # CPU training and prefill: the compiled kernel (fp32, causal or unmasked; `relational_kernel_cpu.py`), else the
+    # tiled path (fp32/fp64, any mask; `tiled_relational_attention`)
     use_tiled_kernel: bool = True
+    use_cpu_kernel: bool = True
 
     @property
     def uses_fused_path(self) -> bool:
         return self.relation_act is None and not self.relative_symbols
 
-    def _takes_tiled_path(self, query, key, output_attentions) -> bool:
+    def _cpu_path_eligible(self, query, output_attentions) -> bool:
         return (
-            self.use_tiled_kernel and self.uses_fused_path and not output_attentions
+            self.uses_fused_path and not output_attentions
             and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
             and not torch.is_autocast_enabled("cpu")  # autocast runs the matmuls in bf16: the fused path handles it
-            and query.shape[2] > 1 and query.shape[2] * key.shape[2] >= TILED_MIN_PAIRS
-            and not (self.training and self.attention_dropout > 0)
-            and not torch.compiler.is_compiling()
+            and query.shape[2] > 1 and not (self.training and self.attention_dropout > 0)
+        )
+
+    def _takes_cpu_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
+        if not (self.use_cpu_kernel and query.dtype == torch.float32 and mask.mask is None
+                and self._cpu_path_eligible(query, output_attentions)):
+            return False
+        # under torch.compile only an already loaded kernel is used (building it is not traceable)
+        return cpu_kernel_ready() or (not torch.compiler.is_compiling() and load_cpu_kernel())
+
+    def _takes_tiled_path(self, query, key, output_attentions) -> bool:
+        return (
+            self.use_tiled_kernel and self._cpu_path_eligible(query, output_attentions)
+            and query.shape[2] * key.shape[2] >= TILED_MIN_PAIRS and not torch.compiler.is_compiling()
         )
 
     def attention_query_key(self, hidden_states, position_embeddings=None):
@@ -237,7 +252,13 @@ class RelationalAttention(nn.Module):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
         b, q_len = query.shape[0], query.shape[2]
-        if self._takes_tiled_path(query, key, output_attentions):
+        if self._takes_cpu_kernel(query, mask, output_attentions):
+            kv_len = key.shape[2]
+            attended_symbols, attended_relations = cpu_relational_attention(
+                query, key, symbol_values.expand(b, -1, -1, -1), q_rel, k_rel.view(b, kv_len, self.num_relations, -1),
+                mask.is_causal, self.scaling, self.relation_scaling)
+            weights = relations = None
+        elif self._takes_tiled_path(query, key, output_attentions):
             attended_symbols, attended_relations = tiled_relational_attention(
                 query, key, symbol_values, q_rel, k_rel, mask, self.scaling, self.relation_scaling,
                 self.num_key_value_groups)

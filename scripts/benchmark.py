@@ -67,6 +67,10 @@ def worker_train(args):
     model = build(args.impl, **model_kwargs(args)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.compile:  # the first (warm-up) step compiles; dat_hf and Llama compile as one graph
+        if args.impl == "dat_hf":  # compiled graphs call dat_hf's CPU kernel only when it is already loaded
+            from dat_hf.relational_kernel_cpu import load_cpu_kernel
+
+            load_cpu_kernel()
         model = torch.compile(model, fullgraph=args.impl != "reference")
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # interpreter, libraries and the model

@@ -31,10 +31,11 @@ def saved_bytes(model, seq_len, batch=2):
     return kept_bytes(lambda: model(x, labels=x))
 
 
-@pytest.mark.parametrize("tiled", [True, False])
-def test_saved_activations_grow_linearly(tiled, monkeypatch):
-    """Doubling the sequence doubles what is kept for backward (no n x n term on either relational path)."""
-    monkeypatch.setattr(dual_attention.RelationalAttention, "use_tiled_kernel", tiled)
+@pytest.mark.parametrize("path", ["cpu_kernel", "tiled", "fused"])
+def test_saved_activations_grow_linearly(path, monkeypatch):
+    """Doubling the sequence doubles what is kept for backward (no n x n term on any relational path)."""
+    monkeypatch.setattr(dual_attention.RelationalAttention, "use_cpu_kernel", path == "cpu_kernel")
+    monkeypatch.setattr(dual_attention.RelationalAttention, "use_tiled_kernel", path == "tiled")
     monkeypatch.setattr(dual_attention, "TILED_MIN_PAIRS", 0)
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(max_position_embeddings=1024, vocab_size=16)).train()

@@ -58,7 +58,9 @@ class CallCounter:
 
 @pytest.fixture
 def force_tiled(monkeypatch):
-    """Tiled path for every eligible call, small tiles; returns a `CallCounter`."""
+    """Tiled path for every eligible call (the compiled CPU kernel off: it has its own tests), small tiles; returns a
+    `CallCounter`."""
+    monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
     monkeypatch.setattr(da, "TILED_MIN_PAIRS", 0)
     monkeypatch.setattr(da, "TILE_SCORE_ELEMENTS", 48)
     return CallCounter(monkeypatch)
@@ -535,6 +537,7 @@ def test_tiled_path_and_attention_dropout(force_tiled):
 
 
 def test_tiled_min_pairs_threshold(monkeypatch):
+    monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
     counter = CallCounter(monkeypatch)
     monkeypatch.setattr(da, "TILED_MIN_PAIRS", 100)
     model = lm().eval()

@@ -1,0 +1,566 @@
+"""A compiled CPU kernel for relational attention (fp32, forward and backward), built on first use.
+
+Flash-style: one block of 64 receivers at a time, online softmax over blocks of 256 senders. Per block it computes
+the attention scores of every head, the relations `rel_l = q_rel,l k_rel,l^T` once for all heads, and both
+aggregations, in L2-sized scratch; nothing `[q, kv]`-sized is stored, so memory is linear in the sequence length.
+Backward recomputes each block from the saved log-sum-exp and uses
+
+    dP = dSymbols v^T + sum_l dRelations_l rel_l      D_i = <dSymbols_i, symbols_i> + <dRelations_i, relations_i>
+    dS = P (dP - D)                                   d rel_l = sum_h P_h dRelations_h,l
+
+Matrix products go to the BLAS that ships inside PyTorch (`sgemm_`), element-wise work to `at::vec`. The source
+below is compiled with `torch.utils.cpp_extension.load` the first time it is needed (about 10 s, cached under
+`~/.cache/torch_extensions`). Without a C++ compiler, or with `DAT_HF_CPU_KERNEL=0`, dat_hf stays on its pure
+PyTorch paths (the tiled path in `dual_attention.py`), which compute the same thing.
+
+The ops are `torch.ops.dat_hf.relational_attention_forward` / `_backward`, with fake (meta) implementations and an
+autograd formula registered, so `torch.compile` graphs call them as opaque kernels.
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r'''
+// Fused relational attention for CPU (fp32), forward and backward, flash-style: one block of receivers at a time,
+// online softmax over blocks of senders, relations computed once per (receiver, sender) pair for all heads.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                       const int*, const float*, const int*, const float*, float*, const int*);
+
+namespace {
+
+// row-major C[M, N] = alpha op(A)[M, K] op(B)[K, N] + beta C (column-major BLAS sees the transposes)
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                 const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const char ca = ta ? 'T' : 'N', cb = tb ? 'T' : 'N';
+  const int m = (int)N, n = (int)M, k = (int)K, la = (int)ldb, lb = (int)lda, lc = (int)ldc;
+  sgemm_(&cb, &ca, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+}
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+// ---- row helpers on at::vec (AVX512 / AVX2 / scalar per build flags); tails are scalar ----
+inline float row_max(const float* x, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  if (n >= kLanes) {
+    Vec v = Vec::loadu(x);
+    for (j = kLanes; j + kLanes <= n; j += kLanes) v = at::vec::maximum(v, Vec::loadu(x + j));
+    float lanes[kLanes];
+    v.store(lanes);
+    for (int64_t t = 0; t < kLanes; ++t) mx = std::max(mx, lanes[t]);
+  }
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+inline float horizontal_sum(const Vec& v) {
+  float lanes[kLanes];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t t = 0; t < kLanes; ++t) s += lanes[t];
+  return s;
+}
+
+// x[j] = exp(x[j] - shift) (exp(-inf) = 0); returns the sum of the new values
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  Vec acc(0.f);
+  const Vec vs(shift);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const Vec e = (Vec::loadu(x + j) - vs).exp_u20();
+    e.store(x + j);
+    acc = acc + e;
+  }
+  float s = horizontal_sum(acc);
+  for (; j < n; ++j) s += (x[j] = std::exp(x[j] - shift));
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
+  float s = horizontal_sum(acc);
+  for (; j < n; ++j) s += a[j] * b[j];
+  return s;
+}
+
+// y += c x
+inline void axpy(float c, const float* x, float* y, int64_t n) {
+  const Vec vc(c);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) at::vec::fmadd(vc, Vec::loadu(x + j), Vec::loadu(y + j)).store(y + j);
+  for (; j < n; ++j) y[j] += c * x[j];
+}
+
+// dp = p (dp - D): the softmax backward of one row
+inline void softmax_grad(const float* p, float* dp, float D, int64_t n) {
+  const Vec vD(D);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) (Vec::loadu(p + j) * (Vec::loadu(dp + j) - vD)).store(dp + j);
+  for (; j < n; ++j) dp[j] = p[j] * (dp[j] - D);
+}
+
+struct Shapes {
+  int64_t B, H, Hkv, n, N, d, R, dr, offset;
+  bool causal;
+  float scaling, rel_scaling;
+};
+
+// strides (in elements) of a [b, h, t, d] tensor whose last dim is contiguous
+struct HeadStrides {
+  int64_t b, h, t;
+  explicit HeadStrides(const at::Tensor& x) : b(x.stride(0)), h(x.stride(1)), t(x.stride(2)) {}
+};
+// strides of a [b, t, R, dr] tensor
+struct RelStrides {
+  int64_t b, t, r;
+  explicit RelStrides(const at::Tensor& x) : b(x.stride(0)), t(x.stride(1)), r(x.stride(2)) {}
+};
+
+constexpr int64_t kBlockQ = 64;   // receivers per block
+constexpr int64_t kBlockK = 256;  // senders per block (scores of one block stay in L2)
+
+inline int64_t visible_end(const Shapes& s, int64_t q0, int64_t m) {
+  return s.causal ? std::min(s.N, s.offset + q0 + m) : s.N;
+}
+
+// -inf above the causal diagonal inside a [m, kn] score block starting at (q0, k0), row stride ld
+inline void mask_block(const Shapes& s, float* S, int64_t ld, int64_t q0, int64_t m, int64_t k0, int64_t kn) {
+  if (!s.causal) return;
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t first_hidden = s.offset + q0 + i + 1 - k0;  // columns >= this are future senders
+    for (int64_t j = std::max<int64_t>(first_hidden, 0); j < kn; ++j) S[i * ld + j] = -std::numeric_limits<float>::infinity();
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qr,
+                  const at::Tensor& kr) {
+  const char* names[] = {"query", "key", "symbol values", "relation queries", "relation keys"};
+  const at::Tensor* tensors[] = {&q, &k, &v, &qr, &kr};
+  for (int t = 0; t < 5; ++t) {
+    const at::Tensor& x = *tensors[t];
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "relational_attention: ", names[t],
+                " must be a float32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+    TORCH_CHECK(x.dim() == 4, "relational_attention: ", names[t], " must be 4-d, got shape ", x.sizes());
+    TORCH_CHECK(x.stride(3) == 1 && x.stride(2) >= x.size(3) && x.size(0) == q.size(0), "relational_attention: ",
+                names[t], " needs the batch size of the query, a contiguous last dim and rows at least that wide; "
+                "got shape ", x.sizes(), " strides ", x.strides());
+  }
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
+              "relational_attention: key and symbol values must be [b, h_kv, kv, d] with h divisible by h_kv; got "
+              "query ", q.sizes(), " key ", k.sizes(), " symbol values ", v.sizes());
+  TORCH_CHECK(qr.size(1) == q.size(2) && kr.size(1) == k.size(2) && qr.size(2) == kr.size(2) &&
+              qr.size(3) == kr.size(3), "relational_attention: relation queries [b, q, R, d_r] and keys [b, kv, R, "
+              "d_r] do not match query ", q.sizes(), " / key ", k.sizes(), ": got ", qr.sizes(), " and ", kr.sizes());
+}
+
+Shapes make_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qr, bool causal, double scaling,
+                   double rel_scaling) {
+  Shapes s;
+  s.B = q.size(0); s.H = q.size(1); s.n = q.size(2); s.d = q.size(3);
+  s.Hkv = k.size(1); s.N = k.size(2); s.R = qr.size(2); s.dr = qr.size(3);
+  s.offset = s.N - s.n; s.causal = causal; s.scaling = (float)scaling; s.rel_scaling = (float)rel_scaling;
+  TORCH_CHECK(!causal || s.offset >= 0, "relational_attention: causal attention needs kv_len >= q_len");
+  return s;
+}
+
+// ---- forward -----------------------------------------------------------------------------------------------------
+struct FwdScratch {
+  std::vector<float> S, rel, acc_sym, acc_rel, row_max, row_sum;
+  explicit FwdScratch(const Shapes& s)
+      : S(s.H * kBlockQ * kBlockK), rel(s.R * kBlockQ * kBlockK), acc_sym(s.H * kBlockQ * s.d),
+        acc_rel(s.H * kBlockQ * s.R), row_max(s.H * kBlockQ), row_sum(s.H * kBlockQ) {}
+};
+
+void forward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, HeadStrides qs, const float* K, HeadStrides ks,
+                   const float* V, HeadStrides vs, const float* QR, RelStrides qrs, const float* KR, RelStrides krs,
+                   float* Os, float* Or, float* L, FwdScratch& w) {
+  const int64_t m = std::min(kBlockQ, s.n - q0), end = visible_end(s, q0, m), G = s.H / s.Hkv;
+  std::fill(w.acc_sym.begin(), w.acc_sym.end(), 0.f);
+  std::fill(w.acc_rel.begin(), w.acc_rel.end(), 0.f);
+  std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
+  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
+    const int64_t kn = std::min(kBlockK, end - k0);
+    for (int64_t h = 0; h < s.H; ++h) {  // S_h = scaling Q_h K_h^T
+      float* S = w.S.data() + h * kBlockQ * kBlockK;
+      gemm(false, true, m, kn, s.d, s.scaling, Q + b * qs.b + h * qs.h + q0 * qs.t, qs.t,
+           K + b * ks.b + (h / G) * ks.h + k0 * ks.t, ks.t, 0.f, S, kBlockK);
+      mask_block(s, S, kBlockK, q0, m, k0, kn);
+    }
+    for (int64_t l = 0; l < s.R; ++l)  // rel_l = rel_scaling QR_l KR_l^T
+      gemm(false, true, m, kn, s.dr, s.rel_scaling, QR + b * qrs.b + q0 * qrs.t + l * qrs.r, qrs.t,
+           KR + b * krs.b + k0 * krs.t + l * krs.r, krs.t, 0.f, w.rel.data() + l * kBlockQ * kBlockK, kBlockK);
+    for (int64_t h = 0; h < s.H; ++h) {  // online softmax: P = exp(S - running max), rescale what was accumulated
+      for (int64_t i = 0; i < m; ++i) {
+        float* row = w.S.data() + (h * kBlockQ + i) * kBlockK;
+        const float mx = row_max(row, kn);
+        float& run_max = w.row_max[h * kBlockQ + i];
+        const float new_max = std::max(run_max, mx);
+        if (new_max == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
+          std::fill(row, row + kn, 0.f);
+          continue;
+        }
+        const float corr = std::exp(run_max - new_max);
+        run_max = new_max;
+        float& run_sum = w.row_sum[h * kBlockQ + i];
+        run_sum = run_sum * corr + exp_shifted(row, kn, new_max);
+        float* as = w.acc_sym.data() + (h * kBlockQ + i) * s.d;
+        float* ar = w.acc_rel.data() + (h * kBlockQ + i) * s.R;
+        if (corr != 1.f) {
+          for (int64_t c = 0; c < s.d; ++c) as[c] *= corr;
+          for (int64_t l = 0; l < s.R; ++l) ar[l] *= corr;
+        }
+        // acc_rel[h, i, l] += sum_j P[h, i, j] rel_l[i, j]
+        for (int64_t l = 0; l < s.R; ++l) ar[l] += dot(row, w.rel.data() + (l * kBlockQ + i) * kBlockK, kn);
+      }
+      // acc_sym_h += P_h V_h
+      gemm(false, false, m, s.d, kn, 1.f, w.S.data() + h * kBlockQ * kBlockK, kBlockK,
+           V + b * vs.b + (h / G) * vs.h + k0 * vs.t, vs.t, 1.f, w.acc_sym.data() + h * kBlockQ * s.d, s.d);
+    }
+  }
+  for (int64_t h = 0; h < s.H; ++h)
+    for (int64_t i = 0; i < m; ++i) {
+      const float sum = w.row_sum[h * kBlockQ + i];
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      float* os = Os + ((b * s.n + q0 + i) * s.H + h) * s.d;
+      const float* as = w.acc_sym.data() + (h * kBlockQ + i) * s.d;
+      for (int64_t c = 0; c < s.d; ++c) os[c] = as[c] * inv;
+      float* orr = Or + ((b * s.n + q0 + i) * s.H + h) * s.R;
+      const float* ar = w.acc_rel.data() + (h * kBlockQ + i) * s.R;
+      for (int64_t l = 0; l < s.R; ++l) orr[l] = ar[l] * inv;
+      // log-sum-exp of the scaled scores (+inf for a receiver without senders: its weights recompute to 0)
+      L[(b * s.H + h) * s.n + q0 + i] =
+          sum > 0.f ? w.row_max[h * kBlockQ + i] + std::log(sum) : std::numeric_limits<float>::infinity();
+    }
+}
+
+// receivers' blocks in an order that balances causal work across threads: 0, nb-1, 1, nb-2, ...
+inline int64_t balanced_block(int64_t idx, int64_t nb) {
+  return (idx % 2 == 0) ? idx / 2 : nb - 1 - idx / 2;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> relational_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& qr, const at::Tensor& kr, bool causal,
+                                                     double scaling, double rel_scaling) {
+  check_inputs(q, k, v, qr, kr);
+  const Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  auto Os = at::empty({s.B, s.n, s.H, s.d}, q.options());
+  auto Or = at::empty({s.B, s.n, s.H, s.R}, q.options());
+  auto L = at::empty({s.B, s.H, s.n}, q.options());
+  const int64_t nb = (s.n + kBlockQ - 1) / kBlockQ;
+  const HeadStrides qs(q), ks(k), vs(v);
+  const RelStrides qrs(qr), krs(kr);
+  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  const float *QR = qr.data_ptr<float>(), *KR = kr.data_ptr<float>();
+  float *os = Os.data_ptr<float>(), *orr = Or.data_ptr<float>(), *l = L.data_ptr<float>();
+  at::parallel_for(0, s.B * nb, 1, [&](int64_t begin, int64_t end) {
+    FwdScratch w(s);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / nb, blk = balanced_block(t % nb, nb);
+      forward_block(s, b, blk * kBlockQ, Q, qs, K, ks, V, vs, QR, qrs, KR, krs, os, orr, l, w);
+    }
+  });
+  return std::make_tuple(Os, Or, L);
+}
+
+// ---- backward ----------------------------------------------------------------------------------------------------
+struct BwdScratch {
+  std::vector<float> P, dP, rel, drel, D;
+  explicit BwdScratch(const Shapes& s)
+      : P(s.H * kBlockQ * kBlockK), dP(s.H * kBlockQ * kBlockK), rel(s.R * kBlockQ * kBlockK),
+        drel(s.R * kBlockQ * kBlockK), D(s.H * kBlockQ) {}
+};
+
+struct Grads {  // where one worker accumulates: dQ, dQR rows it owns; dK, dV, dKR (its own copy or the output)
+  float *dQ, *dK, *dV, *dQR, *dKR;
+  HeadStrides dqs, dks, dvs;
+  RelStrides dqrs, dkrs;
+};
+
+void backward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, HeadStrides qs, const float* K,
+                    HeadStrides ks, const float* V, HeadStrides vs, const float* QR, RelStrides qrs, const float* KR,
+                    RelStrides krs, const float* Os, const float* Or, const float* L, const float* Gs, const float* Gr,
+                    Grads& g, int64_t gb, BwdScratch& w) {
+  // gb: batch index inside the key-side gradient buffers (0 for per-thread buffers of one row)
+  const int64_t m = std::min(kBlockQ, s.n - q0), end = visible_end(s, q0, m), G = s.H / s.Hkv;
+  // D[h, i] = sum_j P dP = <dO_sym, O_sym> + <dO_rel, O_rel>
+  for (int64_t h = 0; h < s.H; ++h)
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t row = (b * s.n + q0 + i) * s.H + h;
+      float acc = 0.f;
+      for (int64_t c = 0; c < s.d; ++c) acc += Gs[row * s.d + c] * Os[row * s.d + c];
+      for (int64_t l = 0; l < s.R; ++l) acc += Gr[row * s.R + l] * Or[row * s.R + l];
+      w.D[h * kBlockQ + i] = acc;
+    }
+  const int64_t gs_t = s.H * s.d, gr_t = s.H * s.R;  // row strides of dO_sym [b, n, h, d], dO_rel [b, n, h, R]
+  const float* gs0 = Gs + (b * s.n + q0) * gs_t;
+  const float* gr0 = Gr + (b * s.n + q0) * gr_t;
+  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
+    const int64_t kn = std::min(kBlockK, end - k0);
+    for (int64_t h = 0; h < s.H; ++h) {
+      float* P = w.P.data() + h * kBlockQ * kBlockK;
+      gemm(false, true, m, kn, s.d, s.scaling, Q + b * qs.b + h * qs.h + q0 * qs.t, qs.t,
+           K + b * ks.b + (h / G) * ks.h + k0 * ks.t, ks.t, 0.f, P, kBlockK);
+      mask_block(s, P, kBlockK, q0, m, k0, kn);
+      for (int64_t i = 0; i < m; ++i) {  // P = exp(S - lse)
+        float* row = P + i * kBlockK;
+        const float lse = L[(b * s.H + h) * s.n + q0 + i];
+        exp_shifted(row, kn, lse);
+      }
+      // dP_h = dO_sym_h V_h^T
+      gemm(false, true, m, kn, s.d, 1.f, gs0 + h * s.d, gs_t, V + b * vs.b + (h / G) * vs.h + k0 * vs.t, vs.t, 0.f,
+           w.dP.data() + h * kBlockQ * kBlockK, kBlockK);
+    }
+    for (int64_t l = 0; l < s.R; ++l)
+      gemm(false, true, m, kn, s.dr, s.rel_scaling, QR + b * qrs.b + q0 * qrs.t + l * qrs.r, qrs.t,
+           KR + b * krs.b + k0 * krs.t + l * krs.r, krs.t, 0.f, w.rel.data() + l * kBlockQ * kBlockK, kBlockK);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* gr = gr0 + i * gr_t;  // dO_rel[i] as [h, R]
+      // drel_l[i, j] = sum_h P[h, i, j] dO_rel[i, h, l]
+      for (int64_t l = 0; l < s.R; ++l) {
+        float* dr = w.drel.data() + (l * kBlockQ + i) * kBlockK;
+        std::fill(dr, dr + kn, 0.f);
+        for (int64_t h = 0; h < s.H; ++h) axpy(gr[h * s.R + l], w.P.data() + (h * kBlockQ + i) * kBlockK, dr, kn);
+      }
+      // dP[h, i, j] += sum_l dO_rel[i, h, l] rel_l[i, j];  dS = P (dP - D)  (stored in dP)
+      for (int64_t h = 0; h < s.H; ++h) {
+        float* dp = w.dP.data() + (h * kBlockQ + i) * kBlockK;
+        for (int64_t l = 0; l < s.R; ++l) axpy(gr[h * s.R + l], w.rel.data() + (l * kBlockQ + i) * kBlockK, dp, kn);
+        softmax_grad(w.P.data() + (h * kBlockQ + i) * kBlockK, dp, w.D[h * kBlockQ + i], kn);
+      }
+    }
+    for (int64_t h = 0; h < s.H; ++h) {
+      const float* P = w.P.data() + h * kBlockQ * kBlockK;
+      const float* dS = w.dP.data() + h * kBlockQ * kBlockK;
+      const int64_t hk = h / G;
+      // dQ_h += scaling dS K_h ; dK_h += scaling dS^T Q_h ; dV_h += P^T dO_sym_h
+      gemm(false, false, m, s.d, kn, s.scaling, dS, kBlockK, K + b * ks.b + hk * ks.h + k0 * ks.t, ks.t, 1.f,
+           g.dQ + b * g.dqs.b + h * g.dqs.h + q0 * g.dqs.t, g.dqs.t);
+      gemm(true, false, kn, s.d, m, s.scaling, dS, kBlockK, Q + b * qs.b + h * qs.h + q0 * qs.t, qs.t, 1.f,
+           g.dK + gb * g.dks.b + hk * g.dks.h + k0 * g.dks.t, g.dks.t);
+      gemm(true, false, kn, s.d, m, 1.f, P, kBlockK, gs0 + h * s.d, gs_t, 1.f,
+           g.dV + gb * g.dvs.b + hk * g.dvs.h + k0 * g.dvs.t, g.dvs.t);
+    }
+    for (int64_t l = 0; l < s.R; ++l) {
+      const float* dr = w.drel.data() + l * kBlockQ * kBlockK;
+      gemm(false, false, m, s.dr, kn, s.rel_scaling, dr, kBlockK, KR + b * krs.b + k0 * krs.t + l * krs.r, krs.t, 1.f,
+           g.dQR + b * g.dqrs.b + q0 * g.dqrs.t + l * g.dqrs.r, g.dqrs.t);
+      gemm(true, false, kn, s.dr, m, s.rel_scaling, dr, kBlockK, QR + b * qrs.b + q0 * qrs.t + l * qrs.r, qrs.t, 1.f,
+           g.dKR + gb * g.dkrs.b + k0 * g.dkrs.t + l * g.dkrs.r, g.dkrs.t);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> relational_attention_backward(const at::Tensor& grad_sym_in, const at::Tensor& grad_rel_in,
+                                                      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const at::Tensor& qr, const at::Tensor& kr,
+                                                      const at::Tensor& out_sym, const at::Tensor& out_rel,
+                                                      const at::Tensor& lse, bool causal, double scaling,
+                                                      double rel_scaling) {
+  check_inputs(q, k, v, qr, kr);
+  const Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  const at::Tensor Gs = grad_sym_in.contiguous(), Gr = grad_rel_in.contiguous();
+  TORCH_CHECK(Gs.sizes() == out_sym.sizes() && Gr.sizes() == out_rel.sizes() && out_sym.is_contiguous() &&
+              out_rel.is_contiguous() && lse.is_contiguous() && Gs.scalar_type() == at::kFloat &&
+              Gr.scalar_type() == at::kFloat, "relational_attention_backward: gradients ", Gs.sizes(), " / ",
+              Gr.sizes(), " do not match the forward outputs ", out_sym.sizes(), " / ", out_rel.sizes());
+  auto dQ = at::zeros({s.B, s.H, s.n, s.d}, q.options());
+  auto dK = at::zeros({s.B, s.Hkv, s.N, s.d}, q.options());
+  auto dV = at::zeros({s.B, s.Hkv, s.N, s.d}, q.options());
+  auto dQR = at::zeros({s.B, s.n, s.R, s.dr}, q.options());
+  auto dKR = at::zeros({s.B, s.N, s.R, s.dr}, q.options());
+  const int64_t nb = (s.n + kBlockQ - 1) / kBlockQ;
+  const HeadStrides qs(q), ks(k), vs(v);
+  const RelStrides qrs(qr), krs(kr);
+  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  const float *QR = qr.data_ptr<float>(), *KR = kr.data_ptr<float>();
+  const float *os = out_sym.data_ptr<float>(), *orr = out_rel.data_ptr<float>(), *L = lse.data_ptr<float>();
+  const float *gs = Gs.data_ptr<float>(), *gr = Gr.data_ptr<float>();
+  const int threads = at::get_num_threads();
+  if (s.B >= threads || threads == 1) {
+    // whole batch rows per worker: every gradient is written in place
+    at::parallel_for(0, s.B, 1, [&](int64_t begin, int64_t end) {
+      BwdScratch w(s);
+      Grads g{dQ.data_ptr<float>(), dK.data_ptr<float>(), dV.data_ptr<float>(), dQR.data_ptr<float>(),
+              dKR.data_ptr<float>(), HeadStrides(dQ), HeadStrides(dK), HeadStrides(dV), RelStrides(dQR),
+              RelStrides(dKR)};
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t blk = 0; blk < nb; ++blk)
+          backward_block(s, b, blk * kBlockQ, Q, qs, K, ks, V, vs, QR, qrs, KR, krs, os, orr, L, gs, gr, g, b, w);
+    });
+  } else {
+    // fewer rows than threads: split each row's receiver blocks; key-side gradients go to per-worker buffers
+    auto kbuf = at::zeros({threads, s.Hkv, s.N, s.d}, q.options());
+    auto vbuf = at::zeros({threads, s.Hkv, s.N, s.d}, q.options());
+    auto krbuf = at::zeros({threads, s.N, s.R, s.dr}, q.options());
+    for (int64_t b = 0; b < s.B; ++b) {
+      if (b > 0) { kbuf.zero_(); vbuf.zero_(); krbuf.zero_(); }
+      std::vector<char> used(threads, 0);
+      at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+        const int tid = at::get_thread_num();
+        used[tid] = 1;
+        BwdScratch w(s);
+        Grads g{dQ.data_ptr<float>(), kbuf.data_ptr<float>() + tid * kbuf.stride(0),
+                vbuf.data_ptr<float>() + tid * vbuf.stride(0), dQR.data_ptr<float>(),
+                krbuf.data_ptr<float>() + tid * krbuf.stride(0), HeadStrides(dQ), HeadStrides(kbuf),
+                HeadStrides(vbuf), RelStrides(dQR), RelStrides(krbuf)};
+        // per-thread buffers: batch stride unused (gb = 0), the pointer already selects the worker's slice
+        for (int64_t t = begin; t < end; ++t)
+          backward_block(s, b, balanced_block(t, nb) * kBlockQ, Q, qs, K, ks, V, vs, QR, qrs, KR, krs, os, orr, L,
+                         gs, gr, g, 0, w);
+      });
+      for (int t = 0; t < threads; ++t)
+        if (used[t]) {
+          dK[b].add_(kbuf[t]);
+          dV[b].add_(vbuf[t]);
+          dKR[b].add_(krbuf[t]);
+        }
+    }
+  }
+  return std::make_tuple(dQ, dK, dV, dQR, dKR);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dat_hf, m) {
+  m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, bool causal, "
+        "float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
+  m.def("relational_attention_backward(Tensor grad_symbols, Tensor grad_relations, Tensor q, Tensor k, Tensor v, "
+        "Tensor q_rel, Tensor k_rel, Tensor symbols, Tensor relations, Tensor lse, bool causal, float scaling, "
+        "float relation_scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
+  m.impl("relational_attention_forward", &relational_attention_forward);
+  m.impl("relational_attention_backward", &relational_attention_backward);
+}
+'''
+
+_STATE = {"loaded": False, "tried": False, "error": None}
+
+
+def _build_flags():
+    """Compiler flags for this machine's vector unit (the same capability PyTorch dispatches its own kernels to)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp"]
+    if capability in ("AVX512", "AVX2"):
+        flags += ["-march=native", f"-DCPU_CAPABILITY_{capability}", f"-DCPU_CAPABILITY={capability}"]
+    return flags
+
+
+def cpu_kernel_enabled() -> bool:
+    """False when `DAT_HF_CPU_KERNEL` is 0/false/off (then nothing is compiled)."""
+    return os.environ.get("DAT_HF_CPU_KERNEL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cpu_kernel_ready() -> bool:
+    """Whether the kernel is loaded in this process (no side effects; safe inside `torch.compile`)."""
+    return _STATE["loaded"]
+
+
+def load_cpu_kernel() -> bool:
+    """Build (once per machine) and load the kernel; True on success. A failed build warns once and returns False."""
+    if _STATE["loaded"] or _STATE["tried"] or not cpu_kernel_enabled():
+        return _STATE["loaded"]
+    _STATE["tried"] = True
+    try:
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+        from torch.utils import cpp_extension
+
+        flags = _build_flags()
+        digest = hashlib.sha1((_SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+        name = f"dat_hf_relational_cpu_{digest}"
+        build_dir = os.path.join(cpp_extension.get_default_build_root(), name)
+        os.makedirs(build_dir, exist_ok=True)
+        source = os.path.join(build_dir, "relational_attention_cpu.cpp")
+        if not os.path.exists(source) or open(source).read() != _SOURCE:
+            with tempfile.NamedTemporaryFile("w", dir=build_dir, delete=False, suffix=".tmp") as tmp:
+                tmp.write(_SOURCE)
+            os.replace(tmp.name, source)  # atomic: concurrent builders never read a half-written file
+        logger.info("dat_hf: building the CPU relational attention kernel in %s", build_dir)
+        cpp_extension.load(name, [source], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=build_dir,
+                           is_python_module=False, verbose=False)
+        _register_python_side()
+        _STATE["loaded"] = True
+    except Exception as error:  # no compiler, no BLAS symbol, ...: the PyTorch paths compute the same thing
+        _STATE["error"] = error
+        warnings.warn(f"dat_hf: the compiled CPU relational attention kernel is unavailable ({error}); using the "
+                      "PyTorch implementation (set DAT_HF_CPU_KERNEL=0 to silence this).", stacklevel=2)
+    return _STATE["loaded"]
+
+
+def _register_python_side():
+    """Fake (meta) kernels for tracing and the autograd formula of the forward op."""
+
+    @torch.library.register_fake("dat_hf::relational_attention_forward")
+    def _forward_fake(query, key, values, q_rel, k_rel, causal, scaling, relation_scaling):
+        b, h, n, d = query.shape
+        r = q_rel.shape[2]
+        return query.new_empty(b, n, h, d), query.new_empty(b, n, h, r), query.new_empty(b, h, n)
+
+    @torch.library.register_fake("dat_hf::relational_attention_backward")
+    def _backward_fake(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse,
+                       causal, scaling, relation_scaling):
+        return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
+
+    def setup_context(ctx, inputs, output):
+        query, key, values, q_rel, k_rel, causal, scaling, relation_scaling = inputs
+        symbols, relations, lse = output
+        ctx.save_for_backward(query, key, values, q_rel, k_rel, symbols, relations, lse)
+        ctx.options = (causal, scaling, relation_scaling)
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, grad_symbols, grad_relations, _grad_lse):
+        query, key, values, q_rel, k_rel, symbols, relations, lse = ctx.saved_tensors
+        grad_symbols = torch.zeros_like(symbols) if grad_symbols is None else grad_symbols
+        grad_relations = torch.zeros_like(relations) if grad_relations is None else grad_relations
+        grads = torch.ops.dat_hf.relational_attention_backward(
+            grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, *ctx.options)
+        return (*grads, None, None, None)
+
+    torch.library.register_autograd("dat_hf::relational_attention_forward", backward, setup_context=setup_context)
+
+
+def _kernel_layout(x):
+    """Last dim contiguous and rows at least that wide (BLAS leading dimensions); a copy only when needed."""
+    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+
+
+def cpu_relational_attention(query, key, values, q_rel, k_rel, causal: bool, scaling: float,
+                             relation_scaling: float):
+    """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
+    expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, all float32 on CPU;
+    causal: receiver i sees senders j <= kv - q + i -> attended symbols `[b, q, h, d_h]`, attended relations
+    `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
+    symbols, relations, _ = torch.ops.dat_hf.relational_attention_forward(
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), causal, scaling, relation_scaling)
+    return symbols, relations
+
+
+__all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "load_cpu_kernel"]
