@@ -25,6 +25,7 @@ from .modeling_dat import (
 )
 
 from .configuration_dat_vision import DATVisionConfig
+from .relational_kernel_cpu import load_cpu_kernel
 from .image_processing_dat import DATImageProcessor
 from .modeling_dat_vision import DATForImageClassification, DATVisionModel, DATVisionPreTrainedModel
 
@@ -98,4 +99,5 @@ __all__ = [
     "DATSeq2SeqPreTrainedModel",
     "DATForSeq2SeqLM",
     "DATText2TextPipeline",
+    "load_cpu_kernel",
 ]

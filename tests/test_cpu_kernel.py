@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_config
-from test_tiled_kernel import assert_close, make_inputs, reference_relational_attention
+from test_tiled_kernel import CallCounter, assert_close, make_inputs, reference_relational_attention
 
 import dat_hf.dual_attention as da
 import dat_hf.relational_kernel_cpu as kernel
@@ -138,16 +138,8 @@ def test_bad_inputs_name_the_problem(loaded):
 
 
 # ---- model level -------------------------------------------------------------------------------------------------
-class KernelCalls:
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        original = da.cpu_relational_attention
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(da, "cpu_relational_attention", counted)
+def KernelCalls(monkeypatch):
+    return CallCounter(monkeypatch, "cpu_relational_attention")
 
 
 def logits_and_grads(model, input_ids, **kwargs):

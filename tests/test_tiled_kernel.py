@@ -36,17 +36,17 @@ ATOL = 1e-5
 
 # ---- helpers -----------------------------------------------------------------------------------------------------
 class CallCounter:
-    """Wraps `dual_attention.tiled_relational_attention` (looked up at call time by `RelationalAttention.forward`)."""
+    """Wraps `dual_attention.<name>` (looked up at call time by `RelationalAttention.forward`) and counts calls."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, name="tiled_relational_attention"):
         self.calls = 0
-        original = da.tiled_relational_attention
+        original = getattr(da, name)
 
         def counted(*args, **kwargs):
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(da, "tiled_relational_attention", counted)
+        monkeypatch.setattr(da, name, counted)
 
     @contextlib.contextmanager
     def counting(self):
