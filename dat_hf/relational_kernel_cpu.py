@@ -496,7 +496,8 @@ def load_cpu_kernel() -> bool:
         flags = _build_flags()
         digest = hashlib.sha1((_SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
         name = f"dat_hf_relational_cpu_{digest}"
-        build_dir = os.path.join(cpp_extension.get_default_build_root(), name)
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        build_dir = os.path.join(root, name)
         os.makedirs(build_dir, exist_ok=True)
         source = os.path.join(build_dir, "relational_attention_cpu.cpp")
         if not os.path.exists(source) or open(source).read() != _SOURCE:
