@@ -9,21 +9,24 @@ Relational attention (Altabaa & Lafferty, 2024), for receiver i and relational h
 With the identity relation activation, sum_j a_ij r_l(x_i, x_j) = <q_l(x_i), sum_j a_ij k_l(x_j)>, so relational
 heads are ordinary attention whose values are `[symbol values | relation keys]`: no `[b, n, n, R]` tensor is built,
 fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). On CPU, relations are computed once
-per pair for all heads instead: by a compiled flash-style kernel (fp32, causal or unmasked; `relational_kernel_cpu.py`)
-or, for other masks and fp64, by the "tiled" path (`TiledRelationalAttentionFunction`). Position-relative symbols
-and other relation activations use the "blocked" path: explicit attention weights, one block of receivers at a
-time, symbols gathered per relative offset (never an `[n, n, d]` tensor).
+per pair for all heads instead: by a compiled flash-style kernel (fp32, causal or unmasked, with a one-op decoding
+step; `relational_kernel_cpu.py`) or, for other masks and fp64, by the "tiled" path
+(`TiledRelationalAttentionFunction`). Position-relative symbols and other relation activations use the "blocked" path:
+explicit attention weights, one block of receivers at a time, symbols gathered per relative offset (never an
+`[n, n, d]` tensor).
 """
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masking_dat import AttentionMask, additive_mask
-from .relational_kernel_cpu import cpu_kernel_ready, cpu_relational_attention, load_cpu_kernel
+from .relational_kernel_cpu import cpu_kernel_ready, cpu_relational_attention, cpu_relational_decode, load_cpu_kernel
 
 # receivers per block in the blocked path are chosen so one block's scores stay below this many elements
 BLOCK_SCORE_ELEMENTS = 1 << 22
@@ -34,10 +37,15 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x, cos, sin):
+    """RoPE: x `[b, h, n, d]`, cos, sin `[b, n, d]` -> x cos + rotate_half(x) sin."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
 def apply_rotary_pos_emb(q, k, cos, sin):
     """q, k `[b, h, n, d]`; cos, sin `[b, n, d]`."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class DATRotaryEmbedding(nn.Module):
@@ -221,6 +229,17 @@ class RelationalAttention(nn.Module):
         # under torch.compile only an already loaded kernel is used (building it is not traceable)
         return cpu_kernel_ready() or (not torch.compiler.is_compiling() and load_cpu_kernel())
 
+    def _takes_cpu_decode_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
+        """One receiver per row without gradients (generation): the kernel's whole-step decode op."""
+        if not (self.use_cpu_kernel and query.shape[2] == 1 and self.uses_fused_path and not output_attentions
+                and query.device.type == "cpu" and query.dtype == torch.float32 and mask.mask is None
+                and mask.row_valid is None and self.relation_proj.dtype == torch.float32
+                and not torch.is_autocast_enabled("cpu")
+                and not (self.training and self.attention_dropout > 0)
+                and not (torch.is_grad_enabled() and (query.requires_grad or self.relation_proj.requires_grad))):
+            return False
+        return cpu_kernel_ready() or (not torch.compiler.is_compiling() and load_cpu_kernel())
+
     def _takes_tiled_path(self, query, key, output_attentions) -> bool:
         return (
             self.use_tiled_kernel and self._cpu_path_eligible(query, output_attentions)
@@ -252,6 +271,12 @@ class RelationalAttention(nn.Module):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
         b, q_len = query.shape[0], query.shape[2]
+        if self._takes_cpu_decode_kernel(query, mask, output_attentions):
+            # A_i^h for the one receiver of each row, W_r included, in one call
+            out = cpu_relational_decode(query, key, symbol_values.expand(b, -1, -1, -1), q_rel,
+                                        k_rel.view(b, key.shape[2], self.num_relations, -1), self.relation_proj,
+                                        self.scaling, self.relation_scaling)
+            return self.o_proj(out.view(b, 1, -1)), None, None
         if self._takes_cpu_kernel(query, mask, output_attentions):
             kv_len = key.shape[2]
             attended_symbols, attended_relations = cpu_relational_attention(
@@ -521,76 +546,154 @@ class DualAttention(nn.Module):
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
         self.head_dim = config.head_dim
+        # packing layout of the cache: key heads [relational | sensory], values [sensory | symbol values | relation
+        # keys] (heads per value part; 0 = a flat `[b, N, width]` part)
+        rel, sen = self.relational, self.sensory
+        self._key_heads = [m.num_kv_heads for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
+        self._query_heads = [m.num_heads for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
+        self._key_heads_total = sum(self._key_heads)
+        self._value_heads = ([sen.num_kv_heads] if sen is not None else []) + (
+            ([rel.num_kv_heads] if not rel.relative_symbols else []) + [0] if rel is not None else [])
+        self._value_widths = [heads * self.head_dim if heads else rel.num_relations * rel.relation_dim
+                              for heads in self._value_heads]
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
                 past_key_values=None, output_attentions=False, relative_position_index=None, **kwargs):
         """hidden_states `[b, n, d]` -> `[b, n, d]`. `relative_position_index` (long `[n, n]`, optional): rows of the
         position-relative symbol table per (receiver, sender) pair (see `RelationalAttention.forward`)."""
         b, n, _ = hidden_states.shape
-        keys, values = [], []
-        if self.relational is not None:
-            q_r, k_r, sv, q_rel, k_rel = self.relational.project(hidden_states, symbols, position_embeddings)
+        relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
+        keys, queries, values = [], [], []
+        if relational is not None:
+            q_r, k_r, sv, q_rel, k_rel = relational.project(hidden_states, symbols)
             keys.append(k_r)
-        if self.sensory is not None:
-            q_s, k_s, v_s = self.sensory.project(
-                hidden_states, position_embeddings, shared_qk=(q_r, k_r) if self.share_qk else None)
+            queries.append(q_r)
+        if sensory is not None:
+            q_s, k_s, v_s = sensory.project(hidden_states, shared_qk=(q_r, k_r) if self.share_qk else None)
             if not self.share_qk:
                 keys.append(k_s)
+                queries.append(q_s)
             values.append(v_s)
-        if self.relational is not None:
-            if not self.relational.relative_symbols:
+        if relational is not None:
+            if not relational.relative_symbols:
                 values.append(sv)
             values.append(k_rel[:, None])
 
+        # RoPE once for every head: [keys | queries] along the head axis; the keys' block is what the cache stores
+        key_cache = None
+        if position_embeddings is not None:
+            rotated = rotate(torch.cat(keys + queries, dim=1), *position_embeddings)
+            key_cache = rotated[:, : self._key_heads_total]
+            keys = key_cache.split(self._key_heads, dim=1)
+            queries = rotated[:, self._key_heads_total:].split(self._query_heads, dim=1)
         if past_key_values is not None:
-            key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
+            if key_cache is None:
+                key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
             flat_values = [v.transpose(1, 2).reshape(b, 1, n, -1) for v in values]
             value_cache = torch.cat(flat_values, dim=-1) if len(flat_values) > 1 else flat_values[0]
             key_cache, value_cache = past_key_values.update(key_cache, value_cache, self.layer_idx)
-            keys, values = self._split_cache(key_cache, value_cache)
-            if self.relational is not None:
-                k_r = keys.pop(0)
-                sv = sv if self.relational.relative_symbols else values.pop(-2)
-                k_rel = values.pop(-1)
-            if self.sensory is not None:
-                k_s = k_r if self.share_qk else keys.pop(0)
-                v_s = values.pop(0)
+            keys = key_cache.split(self._key_heads, dim=1)
+            values = self._split_values(value_cache)  # [sensory values | symbol values | relation keys]
+            if relational is not None:
+                sv = sv if relational.relative_symbols else values[-2]
+                k_rel = values[-1]
+        # with shared attention parameters the sensory heads use the relational heads' queries and keys
+        q_r, k_r = queries[0], keys[0]
+        q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
+        v_s = values[0]
 
         outputs = []
-        if self.sensory is not None:
-            out_s, _ = self.sensory(q_s, k_s, v_s, sensory_mask, output_attentions=output_attentions, **kwargs)
+        if sensory is not None:
+            out_s, _ = sensory(q_s, k_s, v_s, sensory_mask, output_attentions=output_attentions, **kwargs)
             outputs.append(out_s)
-        if self.relational is not None:
-            out_r, _, _ = self.relational(q_r, k_r, sv, q_rel, k_rel, relational_mask,
-                                          output_attentions=output_attentions,
-                                          relative_position_index=relative_position_index, **kwargs)
+        if relational is not None:
+            out_r, _, _ = relational(q_r, k_r, sv, q_rel, k_rel, relational_mask, output_attentions=output_attentions,
+                                     relative_position_index=relative_position_index, **kwargs)
             outputs.append(out_r)
         return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 
-    def _split_cache(self, key_cache, value_cache):
-        """Undo the packing of `forward`: lists of keys `[b, h_kv, N, d_h]` and values (sensory `[b, h_kv, N, d_h]`,
-        symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]`) in packing order."""
+    def _split_values(self, value_cache):
+        """Undo the value packing of `forward`: `[b, 1, N, width]` -> [sensory values `[b, h_kv, N, d_h]`, symbol
+        values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]`] (those the layer has, in that order)."""
         b, _, total, _ = value_cache.shape
-        hd = self.head_dim
-        key_sizes, value_sizes = [], []
-        if self.relational is not None:
-            key_sizes.append(self.relational.num_kv_heads)
-        if self.sensory is not None:
-            if not self.share_qk:
-                key_sizes.append(self.sensory.num_kv_heads)
-            value_sizes.append(("heads", self.sensory.num_kv_heads))
-        if self.relational is not None:
-            if not self.relational.relative_symbols:
-                value_sizes.append(("heads", self.relational.num_kv_heads))
-            value_sizes.append(("flat", self.relational.num_relations * self.relational.relation_dim))
-        keys = list(key_cache.split(key_sizes, dim=1))
-        widths = [n * hd if kind == "heads" else n for kind, n in value_sizes]
-        values = []
-        for (kind, n), part in zip(value_sizes, value_cache.split(widths, dim=-1)):
-            part = part[:, 0]  # [b, N, width]
-            values.append(part.view(b, total, n, hd).transpose(1, 2) if kind == "heads" else part)
-        return keys, values
+        flat = value_cache[:, 0]
+        parts = flat.split(self._value_widths, dim=-1) if len(self._value_widths) > 1 else [flat]
+        return [part.view(b, total, heads, self.head_dim).transpose(1, 2) if heads else part
+                for heads, part in zip(self._value_heads, parts)]
+
+
+class InPlaceCacheLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room: appending a decoding step
+    copies the new token only, where `DynamicLayer` concatenates (copies) the whole cache every step.
+
+    Buffers start at `capacity` (generate's maximum length) or at what the first update needs, and double when full.
+    Anything else that replaces `keys`/`values` (crop, beam reordering, batch selection, device moves, other dtypes)
+    is noticed at the next update, which then copies into fresh buffers, so a view handed out earlier is never
+    overwritten.
+    """
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__()
+        self.capacity = capacity
+        self._length = 0
+        self._buffers = None  # (keys `[..., capacity, d_k]`, values `[..., capacity, d_v]`)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._owns(length, key_states, value_states):
+            self._reallocate(length, length + new, key_states, value_states)
+        key_buffer, value_buffer = self._buffers
+        key_buffer[..., length:length + new, :].copy_(key_states)
+        value_buffer[..., length:length + new, :].copy_(value_states)
+        self.keys, self.values = key_buffer[..., :length + new, :], value_buffer[..., :length + new, :]
+        self._length = length + new
+        return self.keys, self.values
+
+    def _owns(self, length, key_states, value_states) -> bool:
+        """Whether `keys`/`values` are still this layer's prefix views, with room for the new states."""
+        if self._buffers is None or length != self._length:
+            return False
+        for cached, buffer, new in zip((self.keys, self.values), self._buffers, (key_states, value_states)):
+            if (cached.data_ptr() != buffer.data_ptr() or cached.stride() != buffer.stride()
+                    or new.shape[:-2] != buffer.shape[:-2] or new.shape[-1] != buffer.shape[-1]
+                    or new.dtype != buffer.dtype or new.device != buffer.device
+                    or length + new.shape[-2] > buffer.shape[-2]):
+                return False
+        return True
+
+    def _reallocate(self, length, needed, key_states, value_states):
+        capacity = max(needed, self.capacity or 0)
+        if self._buffers is not None and needed > (self.capacity or 0):
+            capacity = max(capacity, 2 * needed)  # growing past the hint: double
+        buffers = []
+        for cached, new in ((self.keys, key_states), (self.values, value_states)):
+            dtype = new.dtype if length == 0 else torch.promote_types(cached.dtype, new.dtype)
+            buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1], dtype=dtype)
+            if length > 0:
+                buffer[..., :length, :].copy_(cached)
+            buffers.append(buffer)
+        self._buffers = tuple(buffers)
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+def use_in_place_cache_layers(cache, capacity: int | None = None):
+    """Give a fresh `DynamicCache` (not offloaded) `InPlaceCacheLayer`s in place of its empty `DynamicLayer`s;
+    `capacity` is the longest sequence expected (the buffers grow past it if needed). Returns `cache`."""
+    if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is DynamicLayer and not layer.is_initialized:
+                cache.layers[i] = InPlaceCacheLayer(capacity)
+        if cache.layer_class_to_replicate is DynamicLayer:
+            cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
+    return cache
 
 
 __all__ = ["DualAttention", "SensoryAttention", "RelationalAttention", "DATRotaryEmbedding", "apply_rotary_pos_emb",
-           "eager_attention_forward", "repeat_kv", "run_attention"]
+           "eager_attention_forward", "repeat_kv", "run_attention", "InPlaceCacheLayer", "use_in_place_cache_layers"]

@@ -36,7 +36,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig, DATEncoderConfig
-from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, SensoryAttention
+from .dual_attention import (
+    DATRotaryEmbedding,
+    DualAttention,
+    RelationalAttention,
+    SensoryAttention,
+    use_in_place_cache_layers,
+)
 from .masking_dat import build_masks, check_graph_adjacency
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
@@ -370,8 +376,9 @@ class DATModel(DATPreTrainedModel):
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        # a training forward (train mode, gradients on) starts no cache: nothing would read it
+        if use_cache and past_key_values is None and not (self.training and torch.is_grad_enabled()):
+            past_key_values = use_in_place_cache_layers(DynamicCache(config=self.config))
         if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
             # each layer's cache packs keys and values of different widths (see DualAttention), which fixed-shape
             # caches cannot hold
@@ -381,6 +388,7 @@ class DATModel(DATPreTrainedModel):
             )
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
+        positions_given = position_ids is not None
         if position_ids is None:
             position_ids = self._default_position_ids(attention_mask, batch_size, seq_len, past_seen, inputs_embeds.device)
         elif position_ids.shape[-1] != seq_len:
@@ -388,13 +396,15 @@ class DATModel(DATPreTrainedModel):
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         self._check_positions(position_ids)
+        # the mask builder looks for packed sequences (positions restarting) only in positions the caller gave
+        mask_positions = position_ids if positions_given else None
 
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
         layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, past_key_values,
-                                                position_ids, graph_adjacency, causal=self.is_causal)
+                                                mask_positions, graph_adjacency, causal=self.is_causal)
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
             position_embeddings=position_embeddings, past_key_values=past_key_values,
@@ -440,7 +450,20 @@ class DATModel(DATPreTrainedModel):
                 )
 
 
-class DATForCausalLM(DATPreTrainedModel, GenerationMixin):
+class DATGenerationMixin(GenerationMixin):
+    """`GenerationMixin` whose own `DynamicCache` (the decoder self-attention cache) gets in-place layers sized for
+    the whole generation: one token is copied per step instead of the whole cache. A user's cache is left alone."""
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                              max_cache_length)
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None and not getattr(cache, "_is_user_defined", False):
+            use_in_place_cache_layers(getattr(cache, "self_attention_cache", cache), max_cache_length)
+
+
+class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
     """DAT language model head. input_ids `[b, n]` -> logits `[b, n, vocab]` (loss with `labels`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

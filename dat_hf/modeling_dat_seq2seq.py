@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -39,11 +38,12 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .dual_attention import DualAttention, RelationalAttention, SensoryAttention
+from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, use_in_place_cache_layers
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
     DATMLP,
     DATDecoderLayer,
+    DATGenerationMixin,
     DATModel,
     DATPreTrainedModel,
     add_positions,
@@ -445,25 +445,30 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
-        if use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        # a training forward (train mode, gradients on) starts no cache: nothing would read it
+        if use_cache and past_key_values is None and not (self.training and torch.is_grad_enabled()):
+            past_key_values = EncoderDecoderCache(use_in_place_cache_layers(DynamicCache(config=self.config)),
+                                                  DynamicCache(config=self.config))
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
         past_seen = self_cache.get_seq_length() if self_cache is not None else 0
         DATModel._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
+        positions_given = position_ids is not None
         if position_ids is None:
             position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, past_seen,
                                                           inputs_embeds.device)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         self._check_positions(position_ids)
+        # the mask builder looks for packed sequences (positions restarting) only in positions the caller gave
+        mask_positions = position_ids if positions_given else None
 
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, self_cache, position_ids,
+        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, self_cache, mask_positions,
                                                 causal=True)
         cross_mask = build_cross_attention_mask(self.config, inputs_embeds, encoder_hidden_states, encoder_attention_mask)
 
@@ -615,7 +620,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         )
 
 
-class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, GenerationMixin):
+class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
     """DAT encoder-decoder with a language-model head. (input_ids `[b, m]`, decoder_input_ids or labels `[b, n]`) ->
     logits `[b, n, vocab]`; loss = plain token cross-entropy on `labels` (-100 ignored), which are *not* shifted:
     `logits[:, t]` predicts `labels[:, t]` (decoder inputs are the labels shifted right)."""

@@ -14,7 +14,9 @@ below is compiled with `torch.utils.cpp_extension.load` the first time it is nee
 PyTorch paths (the tiled path in `dual_attention.py`), which compute the same thing.
 
 The ops are `torch.ops.dat_hf.relational_attention_forward` / `_backward`, with fake (meta) implementations and an
-autograd formula registered, so `torch.compile` graphs call them as opaque kernels.
+autograd formula registered, so `torch.compile` graphs call them as opaque kernels, and
+`relational_attention_decode`: one decoding step of the relational heads (one receiver per row, no gradients), with
+`W_r` applied, reading keys and values in place from the packed cache.
 """
 
 import hashlib
@@ -36,6 +38,7 @@ _SOURCE = r'''
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -76,11 +79,7 @@ inline float row_max(const float* x, int64_t n) {
 }
 
 inline float horizontal_sum(const Vec& v) {
-  float lanes[kLanes];
-  v.store(lanes);
-  float s = 0.f;
-  for (int64_t t = 0; t < kLanes; ++t) s += lanes[t];
-  return s;
+  return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, v);  // shuffles, not a store
 }
 
 // x[j] = exp(x[j] - shift) (exp(-inf) = 0); returns the sum of the new values
@@ -113,6 +112,34 @@ inline void axpy(float c, const float* x, float* y, int64_t n) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) at::vec::fmadd(vc, Vec::loadu(x + j), Vec::loadu(y + j)).store(y + j);
   for (; j < n; ++j) y[j] += c * x[j];
+}
+
+// out[0:n] = sum_j p[j] x[j * ld + 0:n], accumulated in registers (up to 4 vectors wide at a time)
+template <int NV>
+inline void weighted_rows_vec(const float* p, const float* x, int64_t ld, int64_t rows, float* out) {
+  Vec acc[NV];
+  for (int k = 0; k < NV; ++k) acc[k] = Vec(0.f);
+  for (int64_t j = 0; j < rows; ++j) {
+    const Vec pj(p[j]);
+    for (int k = 0; k < NV; ++k) acc[k] = at::vec::fmadd(pj, Vec::loadu(x + j * ld + k * kLanes), acc[k]);
+  }
+  for (int k = 0; k < NV; ++k) acc[k].store(out + k * kLanes);
+}
+
+inline void weighted_rows(const float* p, const float* x, int64_t ld, int64_t rows, int64_t n, float* out) {
+  int64_t e = 0;
+  for (; e + 4 * kLanes <= n; e += 4 * kLanes) weighted_rows_vec<4>(p, x + e, ld, rows, out + e);
+  switch ((n - e) / kLanes) {
+    case 3: weighted_rows_vec<3>(p, x + e, ld, rows, out + e); break;
+    case 2: weighted_rows_vec<2>(p, x + e, ld, rows, out + e); break;
+    case 1: weighted_rows_vec<1>(p, x + e, ld, rows, out + e); break;
+    default: break;
+  }
+  for (e += (n - e) / kLanes * kLanes; e < n; ++e) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < rows; ++j) acc += p[j] * x[j * ld + e];
+    out[e] = acc;
+  }
 }
 
 // dp = p (dp - D): the softmax backward of one row
@@ -444,6 +471,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> relationa
   return std::make_tuple(dQ, dK, dV, dQR, dKR);
 }
 
+// ---- decoding: one receiver per row, the relational heads' whole step --------------------------------------------
+// out[b, h] = sum_j p_hj v_j + sum_l (sum_j p_hj rel_jl) W_r[h, :, l],  rel_jl = rel_scaling <q_rel_l, k_rel_jl>.
+// The relations do not depend on the head: computed once per (batch row, sender), then shared by every head.
+at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& qr, const at::Tensor& kr, const at::Tensor& wr,
+                                       double scaling, double rel_scaling) {
+  check_inputs(q, k, v, qr, kr);
+  TORCH_CHECK(q.size(2) == 1, "relational_attention_decode: one receiver per row, got query ", q.sizes());
+  TORCH_CHECK(wr.dim() == 3 && wr.is_contiguous() && wr.scalar_type() == at::kFloat && wr.size(0) == q.size(1) &&
+              wr.size(1) == q.size(3) && wr.size(2) == qr.size(2), "relational_attention_decode: relation_proj must "
+              "be a contiguous float32 [h, d_h, R] tensor, got ", wr.sizes());
+  const Shapes s = make_shapes(q, k, qr, false, scaling, rel_scaling);
+  const int64_t G = s.H / s.Hkv;
+  auto out = at::empty({s.B, 1, s.H, s.d}, q.options());
+  auto rel = at::empty({s.B, s.N, s.R}, q.options());
+  const HeadStrides qs(q), ks(k), vs(v);
+  const RelStrides qrs(qr), krs(kr);
+  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  const float *QR = qr.data_ptr<float>(), *KR = kr.data_ptr<float>(), *W = wr.data_ptr<float>();
+  float *O = out.data_ptr<float>(), *REL = rel.data_ptr<float>();
+  // rel[b, l, j] = rel_scaling <q_rel[b, l], k_rel[b, j, l]>  (sender-contiguous, for the dots below)
+  at::parallel_for(0, s.B * s.N, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / s.N, j = t % s.N;
+      const float *qr_b = QR + b * qrs.b, *kr_j = KR + b * krs.b + j * krs.t;
+      for (int64_t l = 0; l < s.R; ++l)
+        REL[(b * s.R + l) * s.N + j] = s.rel_scaling * dot(qr_b + l * qrs.r, kr_j + l * krs.r, s.dr);
+    }
+  });
+  // per (row, query head): scores, softmax, the weighted sum of symbol values and of each relation
+  at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(s.N), agg_rel(s.R);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / s.H, h = t % s.H, g = h / G;
+      const float *qh = Q + b * qs.b + h * qs.h, *kg = K + b * ks.b + g * ks.h, *vg = V + b * vs.b + g * vs.h;
+      for (int64_t j = 0; j < s.N; ++j) p[j] = s.scaling * dot(qh, kg + j * ks.t, s.d);
+      const float inv = 1.f / exp_shifted(p.data(), s.N, row_max(p.data(), s.N));
+      float* o = O + t * s.d;
+      weighted_rows(p.data(), vg, vs.t, s.N, s.d, o);
+      for (int64_t l = 0; l < s.R; ++l) agg_rel[l] = dot(p.data(), REL + (b * s.R + l) * s.N, s.N);
+      const float* w = W + h * s.d * s.R;  // W_r[h] is [d_h, R]
+      for (int64_t e = 0; e < s.d; ++e) o[e] = (o[e] + dot(w + e * s.R, agg_rel.data(), s.R)) * inv;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dat_hf, m) {
@@ -452,11 +526,14 @@ TORCH_LIBRARY(dat_hf, m) {
   m.def("relational_attention_backward(Tensor grad_symbols, Tensor grad_relations, Tensor q, Tensor k, Tensor v, "
         "Tensor q_rel, Tensor k_rel, Tensor symbols, Tensor relations, Tensor lse, bool causal, float scaling, "
         "float relation_scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("relational_attention_decode(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor relation_proj, "
+        "float scaling, float relation_scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
   m.impl("relational_attention_forward", &relational_attention_forward);
   m.impl("relational_attention_backward", &relational_attention_backward);
+  m.impl("relational_attention_decode", &relational_attention_decode);
 }
 '''
 
@@ -529,6 +606,10 @@ def _register_python_side():
                        causal, scaling, relation_scaling):
         return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
 
+    @torch.library.register_fake("dat_hf::relational_attention_decode")
+    def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, scaling, relation_scaling):
+        return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+
     def setup_context(ctx, inputs, output):
         query, key, values, q_rel, k_rel, causal, scaling, relation_scaling = inputs
         symbols, relations, lse = output
@@ -563,4 +644,15 @@ def cpu_relational_attention(query, key, values, q_rel, k_rel, causal: bool, sca
     return symbols, relations
 
 
-__all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "load_cpu_kernel"]
+def cpu_relational_decode(query, key, values, q_rel, k_rel, relation_proj, scaling: float, relation_scaling: float):
+    """One decoding step of the relational heads, before the output projection (no autograd): query `[b, h, 1, d_h]`,
+    key and symbol values `[b, h_kv, kv, d_h]`, relation queries `[b, 1, R, d_r]`, relation keys `[b, kv, R, d_r]`,
+    relation_proj (W_r) `[h, d_h, R]`, float32 on CPU, no mask -> `[b, 1, h, d_h]`:
+    `sum_j a_ij (s_j W_s + r(x_i, x_j) W_r)` per head."""
+    return torch.ops.dat_hf.relational_attention_decode(
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), relation_proj.contiguous(), scaling,
+        relation_scaling)
+
+
+__all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "cpu_relational_decode",
+           "load_cpu_kernel"]

@@ -95,14 +95,24 @@ def worker_generate(args):
     torch.set_num_threads(args.threads)
     model = build(args.impl, **model_kwargs(args)).eval()
     x = torch.randint(0, args.vocab, (1, args.prompt))
-    with torch.no_grad():
-        start = time.perf_counter()
+
+    def generate(new_tokens):
         if args.impl == "reference":
-            model.generate(x, args.new_tokens, top_k=1)
-        else:
-            model.generate(x, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-        elapsed = time.perf_counter() - start
-    print(json.dumps({"ms_per_token": 1000 * elapsed / args.new_tokens}))
+            return model.generate(x, new_tokens, top_k=1)
+        return model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def timed(new_tokens):
+        start = time.perf_counter()
+        generate(new_tokens)
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        generate(2)  # warm-up: one-time costs (loading kernels, first allocations) are not per-token costs
+        prefill = timed(1)  # the prompt's forward and the first token
+        elapsed = timed(args.new_tokens)
+    # decode = per-token latency after the prompt; with_prompt spreads the prompt's forward over the new tokens
+    print(json.dumps({"decode_ms_per_token": 1000 * (elapsed - prefill) / max(1, args.new_tokens - 1),
+                      "ms_per_token": 1000 * elapsed / args.new_tokens, "prefill_s": prefill}))
 
 
 def run_worker(mode, impl, args, **extra):
@@ -170,15 +180,22 @@ def main_generate(args):
             for impl in args.impls:
                 runs[impl].append(run_worker("generate", impl, args, prompt=prompt,
                                              max_len=max(args.max_len, prompt + args.new_tokens)))
-        table[prompt] = {impl: summarize(r, "ms_per_token") for impl, r in runs.items()}
-    print(f"\ngeneration, {args.new_tokens} new tokens (greedy)")
-    print(f"{'prompt':>7} " + " ".join(f"{impl + ' ms/tok':>18}" for impl in args.impls) + "  dat_hf/llama  ref/dat_hf")
+        table[prompt] = {impl: {key: summarize(r, key) for key in ("decode_ms_per_token", "ms_per_token", "prefill_s")}
+                         | {"errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+    print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads); decode = ms per "
+          "token after the prompt, with prompt = total time / new tokens")
+    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10} {'decode/llama':>13} "
+          f"{'ref/dat_hf decode':>18}")
     for prompt, row in table.items():
-        ours, llama, ref = row.get("dat_hf"), row.get("llama"), row.get("reference")
-        cells = " ".join(f"{row[i]:>18.2f}" if row.get(i) else f"{'-':>18}" for i in args.impls)
-        r1 = f"{ours / llama:.2f}" if ours and llama else "-"
-        r2 = f"{ref / ours:.1f}" if ours and ref else "-"
-        print(f"{prompt:>7} {cells}  {r1:>12}  {r2:>10}")
+        for impl, r in row.items():
+            def cell(value, fmt):
+                return format(value, fmt) if value else "-"
+            llama, ours, ref = (row.get(i, {}).get("decode_ms_per_token") for i in ("llama", "dat_hf", "reference"))
+            mine = r["decode_ms_per_token"]
+            vs_llama = f"{mine / llama:.2f}" if mine and llama else "-"
+            ref_over_ours = f"{ref / ours:.1f}" if impl == "dat_hf" and ours and ref else "-"
+            print(f"{prompt:>7} {impl:>10} {cell(mine, '.2f'):>10} {cell(r['ms_per_token'], '.2f'):>12} "
+                  f"{cell(r['prefill_s'], '.3f'):>10} {vs_llama:>13} {ref_over_ours:>18}")
     return table
 
 

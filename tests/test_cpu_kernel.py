@@ -9,7 +9,10 @@
 - model level: logits and parameter gradients equal those of the fused path, for GQA, symmetric relations and shared
   attention parameters, and for the (full-attention) encoder; it is taken exactly for fp32 causal/unmasked CPU
   calls (not for padding masks, fp64, `use_cpu_kernel=False`);
-- `torch.compile` graphs call the op (fake kernel + autograd formula) and give eager's gradients.
+- `torch.compile` graphs call the op (fake kernel + autograd formula) and give eager's gradients;
+- the decoding op (one receiver per row, W_r applied): against the explicit fp64 implementation for GQA, batch-1
+  symbol values, widths that are not multiples of the vector length and strided views of a packed cache; 1 vs 2
+  threads; greedy generation equals generation without the kernel; taken only without gradients, masks or autocast.
 """
 
 import shutil
@@ -230,3 +233,136 @@ def test_torch_compile_calls_the_op(loaded):
     assert_close(loss.detach(), expected_loss.detach(), atol=1e-6)
     for g, e in zip(grads, expected):
         assert_close(g, e, atol=1e-6, rtol=1e-5)
+
+
+# ---- decoding op -------------------------------------------------------------------------------------------------
+DECODE_CASES = {
+    "default": dict(),
+    "gqa-2": dict(h_kv=2),
+    "gqa-1-symbols-batch-1": dict(h_kv=1, symbol_batch=1),
+    "batch-3-one-relation-odd-widths": dict(b=3, R=1, d_r=7, d=40),
+    "wide-head-long-cache": dict(d=70, R=2, d_r=33, kv_len=600),
+}
+
+
+def decode_reference(inputs64, relation_proj, scaling, relation_scaling, groups):
+    """fp64: the full relational attention of one receiver that sees every sender, then `+ relations W_r`."""
+    symbols, relations = reference_relational_attention(*inputs64, AttentionMask(None, None, False), scaling,
+                                                        relation_scaling, groups)
+    return symbols + torch.einsum("bqhr,hdr->bqhd", relations, relation_proj)
+
+
+def run_decode(spec, seed=0):
+    spec = dict(spec, q_len=1)
+    spec.setdefault("kv_len", 37)
+    inputs64 = [t.detach() for t in make_inputs(seed=seed, **spec)]
+    b, h, _, d = inputs64[0].shape
+    h_kv, kv_len, R = inputs64[1].shape[1], inputs64[1].shape[2], inputs64[3].shape[2]
+    relation_proj = torch.randn(h, d, R, generator=torch.Generator().manual_seed(seed + 5), dtype=torch.float64)
+    expected = decode_reference(inputs64, relation_proj, 0.37, 0.61, h // h_kv)
+    q, k, v, qr, kr = (t.float() for t in inputs64)
+    got = kernel.cpu_relational_decode(q, k, v.expand(b, -1, -1, -1), qr, kr.view(b, kv_len, R, -1),
+                                       relation_proj.float(), 0.37, 0.61)
+    return got, expected
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_matches_reference(case, loaded):
+    got, expected = run_decode(DECODE_CASES[case])
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert_close(got.double(), expected, atol=2e-5, rtol=2e-5, what="decoded relational heads")
+
+
+def test_decode_reads_strided_views_of_a_packed_cache(loaded):
+    """Keys `[b, h_kv, capacity, d]` and one flat value row `[symbol values | relation keys]` per sender, as the
+    in-place cache layers hold them: prefix views, nothing copied."""
+    b, h, h_kv, kv_len, capacity, d, R, d_r = 2, 4, 2, 29, 64, 16, 3, 8
+    g = torch.Generator().manual_seed(4)
+    key_buffer = torch.randn(b, h_kv, capacity, d, generator=g)
+    value_buffer = torch.randn(b, 1, capacity, h_kv * d + R * d_r, generator=g)
+    query = torch.randn(b, 1, h, d, generator=g).transpose(1, 2)  # [b, h, 1, d] view of the projection output
+    q_rel = torch.randn(b, 1, R, d_r, generator=g)
+    relation_proj = torch.randn(h, d, R, generator=g)
+    key = key_buffer[:, :, :kv_len]
+    flat = value_buffer[:, 0, :kv_len]
+    values = flat[..., : h_kv * d].view(b, kv_len, h_kv, d).transpose(1, 2)
+    k_rel = flat[..., h_kv * d:].view(b, kv_len, R, d_r)
+    got = kernel.cpu_relational_decode(query, key, values, q_rel, k_rel, relation_proj, 0.25, 0.5)
+    copies = [t.contiguous().double() for t in (query, key, values, q_rel, k_rel.reshape(b, kv_len, -1))]
+    expected = decode_reference(copies, relation_proj.double(), 0.25, 0.5, h // h_kv)
+    assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_threads_give_the_single_thread_result(loaded):
+    spec = dict(b=2, kv_len=700, d=24, R=2, d_r=12)  # enough senders to split the relation pass across threads
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = run_decode(spec, seed=2)
+        torch.set_num_threads(2)
+        two, _ = run_decode(spec, seed=2)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(two, one, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_bad_inputs_name_the_problem(loaded):
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    qr, kr, w = torch.randn(1, 1, 3, 4), torch.randn(1, 5, 3, 4), torch.randn(2, 8, 3)
+    op = torch.ops.dat_hf.relational_attention_decode
+    with pytest.raises(RuntimeError, match="one receiver per row"):
+        op(torch.randn(1, 2, 2, 8), k, v, torch.randn(1, 2, 3, 4), kr, w, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="relation_proj must be a contiguous float32"):
+        op(q, k, v, qr, kr, w[:, :, :2], 1.0, 1.0)
+    with pytest.raises(RuntimeError, match=r"relation queries \[b, q, R, d_r\] and keys"):
+        op(q, k, v, qr, kr[:, :4], w, 1.0, 1.0)
+
+
+def greedy(model, prompt, **kwargs):
+    out = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(num_relational_key_value_heads=1, num_relations=3, relation_dim=5)],
+                         ids=["default", "gqa"])
+def test_generation_with_decode_op_equals_without(overrides, loaded, monkeypatch):
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(**overrides)).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 9))
+    calls = CallCounter(monkeypatch, "cpu_relational_decode")
+    tokens, scores = greedy(model, prompt)
+    assert calls.calls == model.config.num_hidden_layers * 11  # every step after the prefill, every layer
+    monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
+    tokens_ref, scores_ref = greedy(model, prompt)
+    assert calls.calls == model.config.num_hidden_layers * 11
+    assert torch.equal(tokens, tokens_ref)
+    assert_close(scores, scores_ref, atol=1e-5)
+
+
+def test_decode_op_dispatch(loaded, monkeypatch):
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config())
+    calls = CallCounter(monkeypatch, "cpu_relational_decode")
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6))
+    layers = model.config.num_hidden_layers
+
+    def one_step(**kwargs):
+        out = model(prompt, use_cache=True, **kwargs)
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            kwargs["attention_mask"] = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        return model(prompt[:, :1], past_key_values=out.past_key_values, **kwargs).logits
+
+    model.eval()
+    with torch.no_grad():
+        one_step()
+        assert calls.calls == layers
+        one_step(attention_mask=torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0))  # padding: python
+        assert calls.calls == layers
+        model.double()
+        one_step()  # fp64: python
+        model.float()
+        assert calls.calls == layers
+    one_step()  # gradients enabled (the op has no backward): python
+    assert calls.calls == layers

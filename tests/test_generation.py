@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
 from dat_hf import DATForCausalLM, DATForSequenceClassification
+from dat_hf.dual_attention import InPlaceCacheLayer
 
 ATOL = 1e-5
 
@@ -174,6 +177,87 @@ def test_beam_search_and_sampling(gen_model):
     logits = model(sampled).logits[:, 3:-1]
     top5 = logits.topk(5, dim=-1).indices
     assert (top5 == sampled[:, 4:, None]).any(-1).all()
+
+
+# ---- in-place cache layers ----------------------------------------------------------------------------------------
+def test_in_place_cache_layer_behaves_like_dynamic_layer():
+    """The same updates, crops, batch selections, repeats and beam reorderings on an `InPlaceCacheLayer` (capacity
+    smaller than the final length, so it also grows) and a `DynamicLayer` give the same keys and values after every
+    step, and views handed out earlier never change afterwards."""
+    g = torch.Generator().manual_seed(0)
+
+    def states(b, n):
+        return torch.randn(b, 3, n, 4, generator=g), torch.randn(b, 1, n, 7, generator=g)
+
+    ours, theirs = InPlaceCacheLayer(capacity=6), DynamicLayer()
+    handed_out = []
+
+    def step(op, *args):
+        out = None
+        for layer in (ours, theirs):
+            out = getattr(layer, op)(*args) if op != "reorder" else layer.batch_select_indices(args[0])
+        if op == "update":
+            handed_out.append((ours.keys, ours.values, ours.keys.clone(), ours.values.clone()))
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), op
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        return out
+
+    step("update", *states(2, 5))
+    step("update", *states(2, 1))
+    step("update", *states(2, 1))  # 7 > capacity 6: grows
+    step("crop", -2)
+    step("update", *states(2, 1))  # overwrites a slot that an earlier view covered
+    step("batch_repeat_interleave", 3)
+    step("update", *states(6, 1))
+    step("reorder", torch.tensor([5, 0, 0, 2, 1, 3]))
+    step("update", *states(6, 2))
+    step("batch_select_indices", torch.tensor([1, 4]))
+    for _ in range(20):
+        step("update", *states(2, 1))
+    for keys, values, keys_then, values_then in handed_out:
+        assert torch.equal(keys, keys_then) and torch.equal(values, values_then)
+    assert ours._buffers[0].shape[-2] < 2 * ours.get_seq_length() + 2  # grew by doubling, not per step
+
+
+@torch.no_grad()
+def test_generate_appends_in_place():
+    """generate's cache has in-place layers sized for the whole generation: no reallocation, nothing copied twice;
+    a cache passed by the user keeps its own layers."""
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(initializer_range=GEN_INIT)).eval()
+    ids = random_ids(2, 5)
+    out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert all(type(layer) is InPlaceCacheLayer for layer in cache.layers)
+    for layer in cache.layers:
+        assert layer._buffers[0].shape[-2] == 10  # max_length - 1 = 5 + 6 - 1 slots, allocated once
+        assert layer.keys.data_ptr() == layer._buffers[0].data_ptr()
+    mine = DynamicCache(config=model.config)
+    model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=mine)
+    assert all(type(layer) is DynamicLayer for layer in mine.layers)
+    # a plain forward with use_cache=True starts an in-place cache too
+    assert all(type(layer) is InPlaceCacheLayer for layer in model(ids, use_cache=True).past_key_values.layers)
+
+
+def test_training_forward_starts_no_cache():
+    model = DATForCausalLM(tiny_config()).train()
+    ids = random_ids(2, 5)
+    assert model(ids).past_key_values is None  # nothing would read it
+    with torch.no_grad():
+        assert model(ids).past_key_values is not None
+    assert model.eval()(ids).past_key_values is not None
+
+
+@pytest.mark.parametrize("name", ["symbolic_rope", "relative_rope", "positional_learned"])
+def test_packed_sequences_attend_within_their_segment(name):
+    """Two sequences packed in one row with restarting `position_ids` (no cache): each segment's logits equal those
+    of the segment alone (the mask builder turns restarting positions into a block-diagonal causal mask)."""
+    model = make_model(**CONFIGS[name]).train()  # training forward: no cache, as in packed training
+    first, second = random_ids(1, 5, seed=3), random_ids(1, 4, seed=4)
+    positions = torch.cat([torch.arange(5), torch.arange(4)])[None]
+    packed = model(torch.cat([first, second], dim=1), position_ids=positions).logits
+    torch.testing.assert_close(packed[:, :5], model(first).logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed[:, 5:], model(second).logits, atol=ATOL, rtol=0)
 
 
 # ---- forward outputs --------------------------------------------------------------------------------------------
