@@ -9,8 +9,8 @@ Relational attention (Altabaa & Lafferty, 2024), for receiver i and relational h
 With the identity relation activation, sum_j a_ij r_l(x_i, x_j) = <q_l(x_i), sum_j a_ij k_l(x_j)>, so relational
 heads are ordinary attention whose values are `[symbol values | relation keys]`: no `[b, n, n, R]` tensor is built,
 fused SDPA kernels and the standard KV cache apply unchanged (the "fused" path). On CPU, relations are computed once
-per pair for all heads instead: by a compiled flash-style kernel (fp32, causal or unmasked, with a one-op decoding
-step; `relational_kernel_cpu.py`) or, for other masks and fp64, by the "tiled" path
+per pair for all heads instead: by a compiled flash-style kernel (fp32, no mask or a bool one, with a one-op decoding
+step; `relational_kernel_cpu.py`) or, for additive masks and fp64, by the "tiled" path
 (`TiledRelationalAttentionFunction`). Position-relative symbols and other relation activations use the "blocked" path:
 explicit attention weights, one block of receivers at a time, symbols gathered per relative offset (never an
 `[n, n, d]` tensor).
@@ -121,6 +121,11 @@ def run_attention(module, config, query, key, value, mask: AttentionMask, output
     return out, weights
 
 
+def _bool_mask_or_none(mask: AttentionMask) -> bool:
+    """Whether the compiled kernels take this mask: none, or bool `[b|1, 1, q, kv]` (what sdpa masks are)."""
+    return mask.mask is None or (mask.mask.dtype == torch.bool and mask.mask.dim() == 4 and mask.mask.shape[1] == 1)
+
+
 class SensoryAttention(nn.Module):
     """Standard multi-head self-attention (GQA, RoPE) over the Transformers attention interface.
 
@@ -205,7 +210,7 @@ class RelationalAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    # CPU training and prefill: the compiled kernel (fp32, causal or unmasked; `relational_kernel_cpu.py`), else the
+    # CPU training and prefill: the compiled kernel (fp32, no mask or a bool one; `relational_kernel_cpu.py`), else the
     # tiled path (fp32/fp64, any mask; `tiled_relational_attention`)
     use_tiled_kernel: bool = True
     use_cpu_kernel: bool = True
@@ -223,17 +228,18 @@ class RelationalAttention(nn.Module):
         )
 
     def _takes_cpu_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
-        if not (self.use_cpu_kernel and query.dtype == torch.float32 and mask.mask is None
+        if not (self.use_cpu_kernel and query.dtype == torch.float32 and _bool_mask_or_none(mask)
                 and self._cpu_path_eligible(query, output_attentions)):
             return False
         # under torch.compile only an already loaded kernel is used (building it is not traceable)
         return cpu_kernel_ready() or (not torch.compiler.is_compiling() and load_cpu_kernel())
 
     def _takes_cpu_decode_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
-        """One receiver per row without gradients (generation): the kernel's whole-step decode op."""
+        """One receiver per row without gradients (generation): the kernel's whole-step decode op (no mask, or a bool
+        one such as left padding)."""
         if not (self.use_cpu_kernel and query.shape[2] == 1 and self.uses_fused_path and not output_attentions
-                and query.device.type == "cpu" and query.dtype == torch.float32 and mask.mask is None
-                and mask.row_valid is None and self.relation_proj.dtype == torch.float32
+                and query.device.type == "cpu" and query.dtype == torch.float32
+                and _bool_mask_or_none(mask) and mask.row_valid is None and self.relation_proj.dtype == torch.float32
                 and not torch.is_autocast_enabled("cpu")
                 and not (self.training and self.attention_dropout > 0)
                 and not (torch.is_grad_enabled() and (query.requires_grad or self.relation_proj.requires_grad))):
@@ -273,15 +279,16 @@ class RelationalAttention(nn.Module):
         b, q_len = query.shape[0], query.shape[2]
         if self._takes_cpu_decode_kernel(query, mask, output_attentions):
             # A_i^h for the one receiver of each row, W_r included, in one call
+            kv_len = key.shape[2]
             out = cpu_relational_decode(query, key, symbol_values.expand(b, -1, -1, -1), q_rel,
-                                        k_rel.view(b, key.shape[2], self.num_relations, -1), self.relation_proj,
-                                        self.scaling, self.relation_scaling)
+                                        k_rel.view(b, kv_len, self.num_relations, -1), self.relation_proj,
+                                        self.scaling, self.relation_scaling, mask.mask)
             return self.o_proj(out.view(b, 1, -1)), None, None
         if self._takes_cpu_kernel(query, mask, output_attentions):
             kv_len = key.shape[2]
             attended_symbols, attended_relations = cpu_relational_attention(
                 query, key, symbol_values.expand(b, -1, -1, -1), q_rel, k_rel.view(b, kv_len, self.num_relations, -1),
-                mask.is_causal, self.scaling, self.relation_scaling)
+                mask.is_causal, self.scaling, self.relation_scaling, mask.mask)
             weights = relations = None
         elif self._takes_tiled_path(query, key, output_attentions):
             attended_symbols, attended_relations = tiled_relational_attention(

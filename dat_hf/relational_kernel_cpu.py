@@ -3,6 +3,8 @@
 Flash-style: one block of 64 receivers at a time, online softmax over blocks of 256 senders. Per block it computes
 the attention scores of every head, the relations `rel_l = q_rel,l k_rel,l^T` once for all heads, and both
 aggregations, in L2-sized scratch; nothing `[q, kv]`-sized is stored, so memory is linear in the sequence length.
+An optional bool mask `[b|1, q|1, kv]` (padding, relational biases) is applied per block, on top of causal order; a
+receiver without senders gets zeros.
 Backward recomputes each block from the saved log-sum-exp and uses
 
     dP = dSymbols v^T + sum_l dRelations_l rel_l      D_i = <dSymbols_i, symbols_i> + <dRelations_i, relations_i>
@@ -154,6 +156,8 @@ struct Shapes {
   int64_t B, H, Hkv, n, N, d, R, dr, offset;
   bool causal;
   float scaling, rel_scaling;
+  const bool* mask = nullptr;  // optional bool [b or 1, q or 1, kv], True = may attend (on top of `causal`)
+  int64_t mask_b = 0, mask_q = 0;
 };
 
 // strides (in elements) of a [b, h, t, d] tensor whose last dim is contiguous
@@ -174,13 +178,22 @@ inline int64_t visible_end(const Shapes& s, int64_t q0, int64_t m) {
   return s.causal ? std::min(s.N, s.offset + q0 + m) : s.N;
 }
 
-// -inf above the causal diagonal inside a [m, kn] score block starting at (q0, k0), row stride ld
-inline void mask_block(const Shapes& s, float* S, int64_t ld, int64_t q0, int64_t m, int64_t k0, int64_t kn) {
-  if (!s.causal) return;
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t first_hidden = s.offset + q0 + i + 1 - k0;  // columns >= this are future senders
-    for (int64_t j = std::max<int64_t>(first_hidden, 0); j < kn; ++j) S[i * ld + j] = -std::numeric_limits<float>::infinity();
-  }
+// -inf above the causal diagonal and where the mask says no, inside a [m, kn] score block of batch row b starting at
+// (q0, k0), row stride ld
+inline void mask_block(const Shapes& s, int64_t b, float* S, int64_t ld, int64_t q0, int64_t m, int64_t k0,
+                       int64_t kn) {
+  constexpr float kHidden = -std::numeric_limits<float>::infinity();
+  if (s.causal)
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t first_hidden = s.offset + q0 + i + 1 - k0;  // columns >= this are future senders
+      for (int64_t j = std::max<int64_t>(first_hidden, 0); j < kn; ++j) S[i * ld + j] = kHidden;
+    }
+  if (s.mask)
+    for (int64_t i = 0; i < m; ++i) {
+      const bool* allowed = s.mask + b * s.mask_b + (q0 + i) * s.mask_q + k0;
+      for (int64_t j = 0; j < kn; ++j)
+        if (!allowed[j]) S[i * ld + j] = kHidden;
+    }
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& qr,
@@ -214,6 +227,19 @@ Shapes make_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q
   return s;
 }
 
+// the optional mask: bool [b or 1, q or 1, kv] (True = may attend), last dim contiguous
+void attach_mask(Shapes& s, const std::optional<at::Tensor>& mask) {
+  if (!mask.has_value()) return;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && (m.size(0) == 1 || m.size(0) == s.B) &&
+              (m.size(1) == 1 || m.size(1) == s.n) && m.size(2) == s.N && m.stride(2) == 1, "relational_attention: "
+              "the mask must be bool [b or 1, q or 1, kv] = [", s.B, " or 1, ", s.n, " or 1, ", s.N, "] (True = "
+              "attend) with a contiguous last dim, got ", m.scalar_type(), " ", m.sizes(), " strides ", m.strides());
+  s.mask = m.data_ptr<bool>();
+  s.mask_b = m.size(0) > 1 ? m.stride(0) : 0;
+  s.mask_q = m.size(1) > 1 ? m.stride(1) : 0;
+}
+
 // ---- forward -----------------------------------------------------------------------------------------------------
 struct FwdScratch {
   std::vector<float> S, rel, acc_sym, acc_rel, row_max, row_sum;
@@ -236,7 +262,7 @@ void forward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, HeadS
       float* S = w.S.data() + h * kBlockQ * kBlockK;
       gemm(false, true, m, kn, s.d, s.scaling, Q + b * qs.b + h * qs.h + q0 * qs.t, qs.t,
            K + b * ks.b + (h / G) * ks.h + k0 * ks.t, ks.t, 0.f, S, kBlockK);
-      mask_block(s, S, kBlockK, q0, m, k0, kn);
+      mask_block(s, b, S, kBlockK, q0, m, k0, kn);
     }
     for (int64_t l = 0; l < s.R; ++l)  // rel_l = rel_scaling QR_l KR_l^T
       gemm(false, true, m, kn, s.dr, s.rel_scaling, QR + b * qrs.b + q0 * qrs.t + l * qrs.r, qrs.t,
@@ -291,10 +317,12 @@ inline int64_t balanced_block(int64_t idx, int64_t nb) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> relational_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const at::Tensor& qr, const at::Tensor& kr, bool causal,
+                                                     const at::Tensor& qr, const at::Tensor& kr,
+                                                     const std::optional<at::Tensor>& mask, bool causal,
                                                      double scaling, double rel_scaling) {
   check_inputs(q, k, v, qr, kr);
-  const Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  attach_mask(s, mask);
   auto Os = at::empty({s.B, s.n, s.H, s.d}, q.options());
   auto Or = at::empty({s.B, s.n, s.H, s.R}, q.options());
   auto L = at::empty({s.B, s.H, s.n}, q.options());
@@ -352,7 +380,7 @@ void backward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, Head
       float* P = w.P.data() + h * kBlockQ * kBlockK;
       gemm(false, true, m, kn, s.d, s.scaling, Q + b * qs.b + h * qs.h + q0 * qs.t, qs.t,
            K + b * ks.b + (h / G) * ks.h + k0 * ks.t, ks.t, 0.f, P, kBlockK);
-      mask_block(s, P, kBlockK, q0, m, k0, kn);
+      mask_block(s, b, P, kBlockK, q0, m, k0, kn);
       for (int64_t i = 0; i < m; ++i) {  // P = exp(S - lse)
         float* row = P + i * kBlockK;
         const float lse = L[(b * s.H + h) * s.n + q0 + i];
@@ -406,10 +434,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> relationa
                                                       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       const at::Tensor& qr, const at::Tensor& kr,
                                                       const at::Tensor& out_sym, const at::Tensor& out_rel,
-                                                      const at::Tensor& lse, bool causal, double scaling,
-                                                      double rel_scaling) {
+                                                      const at::Tensor& lse, const std::optional<at::Tensor>& mask,
+                                                      bool causal, double scaling, double rel_scaling) {
   check_inputs(q, k, v, qr, kr);
-  const Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  attach_mask(s, mask);
   const at::Tensor Gs = grad_sym_in.contiguous(), Gr = grad_rel_in.contiguous();
   TORCH_CHECK(Gs.sizes() == out_sym.sizes() && Gr.sizes() == out_rel.sizes() && out_sym.is_contiguous() &&
               out_rel.is_contiguous() && lse.is_contiguous() && Gs.scalar_type() == at::kFloat &&
@@ -474,15 +503,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> relationa
 // ---- decoding: one receiver per row, the relational heads' whole step --------------------------------------------
 // out[b, h] = sum_j p_hj v_j + sum_l (sum_j p_hj rel_jl) W_r[h, :, l],  rel_jl = rel_scaling <q_rel_l, k_rel_jl>.
 // The relations do not depend on the head: computed once per (batch row, sender), then shared by every head.
+// mask (optional, bool [b or 1, 1, kv], True = may attend): e.g. left padding; a row without senders gets 0.
 at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const at::Tensor& qr, const at::Tensor& kr, const at::Tensor& wr,
-                                       double scaling, double rel_scaling) {
+                                       const std::optional<at::Tensor>& mask, double scaling, double rel_scaling) {
   check_inputs(q, k, v, qr, kr);
   TORCH_CHECK(q.size(2) == 1, "relational_attention_decode: one receiver per row, got query ", q.sizes());
   TORCH_CHECK(wr.dim() == 3 && wr.is_contiguous() && wr.scalar_type() == at::kFloat && wr.size(0) == q.size(1) &&
               wr.size(1) == q.size(3) && wr.size(2) == qr.size(2), "relational_attention_decode: relation_proj must "
               "be a contiguous float32 [h, d_h, R] tensor, got ", wr.sizes());
-  const Shapes s = make_shapes(q, k, qr, false, scaling, rel_scaling);
+  Shapes s = make_shapes(q, k, qr, false, scaling, rel_scaling);
+  attach_mask(s, mask);
   const int64_t G = s.H / s.Hkv;
   auto out = at::empty({s.B, 1, s.H, s.d}, q.options());
   auto rel = at::empty({s.B, s.N, s.R}, q.options());
@@ -507,8 +538,18 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
       const int64_t b = t / s.H, h = t % s.H, g = h / G;
       const float *qh = Q + b * qs.b + h * qs.h, *kg = K + b * ks.b + g * ks.h, *vg = V + b * vs.b + g * vs.h;
       for (int64_t j = 0; j < s.N; ++j) p[j] = s.scaling * dot(qh, kg + j * ks.t, s.d);
-      const float inv = 1.f / exp_shifted(p.data(), s.N, row_max(p.data(), s.N));
       float* o = O + t * s.d;
+      if (s.mask) {
+        const bool* allowed = s.mask + b * s.mask_b;
+        for (int64_t j = 0; j < s.N; ++j)
+          if (!allowed[j]) p[j] = -std::numeric_limits<float>::infinity();
+      }
+      const float mx = row_max(p.data(), s.N);
+      if (mx == -std::numeric_limits<float>::infinity()) {  // no sender: a zero message
+        std::fill(o, o + s.d, 0.f);
+        continue;
+      }
+      const float inv = 1.f / exp_shifted(p.data(), s.N, mx);
       weighted_rows(p.data(), vg, vs.t, s.N, s.d, o);
       for (int64_t l = 0; l < s.R; ++l) agg_rel[l] = dot(p.data(), REL + (b * s.R + l) * s.N, s.N);
       const float* w = W + h * s.d * s.R;  // W_r[h] is [d_h, R]
@@ -521,13 +562,13 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
 }  // namespace
 
 TORCH_LIBRARY(dat_hf, m) {
-  m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, bool causal, "
-        "float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
+  m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor? mask, "
+        "bool causal, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
   m.def("relational_attention_backward(Tensor grad_symbols, Tensor grad_relations, Tensor q, Tensor k, Tensor v, "
-        "Tensor q_rel, Tensor k_rel, Tensor symbols, Tensor relations, Tensor lse, bool causal, float scaling, "
-        "float relation_scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor q_rel, Tensor k_rel, Tensor symbols, Tensor relations, Tensor lse, Tensor? mask, bool causal, "
+        "float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("relational_attention_decode(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor relation_proj, "
-        "float scaling, float relation_scaling) -> Tensor");
+        "Tensor? mask, float scaling, float relation_scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
@@ -596,34 +637,34 @@ def _register_python_side():
     """Fake (meta) kernels for tracing and the autograd formula of the forward op."""
 
     @torch.library.register_fake("dat_hf::relational_attention_forward")
-    def _forward_fake(query, key, values, q_rel, k_rel, causal, scaling, relation_scaling):
+    def _forward_fake(query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling):
         b, h, n, d = query.shape
         r = q_rel.shape[2]
         return query.new_empty(b, n, h, d), query.new_empty(b, n, h, r), query.new_empty(b, h, n)
 
     @torch.library.register_fake("dat_hf::relational_attention_backward")
     def _backward_fake(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse,
-                       causal, scaling, relation_scaling):
+                       mask, causal, scaling, relation_scaling):
         return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
 
     @torch.library.register_fake("dat_hf::relational_attention_decode")
-    def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, scaling, relation_scaling):
+    def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, mask, scaling, relation_scaling):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
 
     def setup_context(ctx, inputs, output):
-        query, key, values, q_rel, k_rel, causal, scaling, relation_scaling = inputs
+        query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling = inputs
         symbols, relations, lse = output
-        ctx.save_for_backward(query, key, values, q_rel, k_rel, symbols, relations, lse)
+        ctx.save_for_backward(query, key, values, q_rel, k_rel, symbols, relations, lse, mask)
         ctx.options = (causal, scaling, relation_scaling)
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, grad_symbols, grad_relations, _grad_lse):
-        query, key, values, q_rel, k_rel, symbols, relations, lse = ctx.saved_tensors
+        query, key, values, q_rel, k_rel, symbols, relations, lse, mask = ctx.saved_tensors
         grad_symbols = torch.zeros_like(symbols) if grad_symbols is None else grad_symbols
         grad_relations = torch.zeros_like(relations) if grad_relations is None else grad_relations
         grads = torch.ops.dat_hf.relational_attention_backward(
-            grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, *ctx.options)
-        return (*grads, None, None, None)
+            grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, mask, *ctx.options)
+        return (*grads, None, None, None, None)
 
     torch.library.register_autograd("dat_hf::relational_attention_forward", backward, setup_context=setup_context)
 
@@ -633,25 +674,40 @@ def _kernel_layout(x):
     return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
 
 
+def _kernel_mask(mask):
+    """bool `[b|1, 1, q|1, kv]` (True = attend) -> the kernels' `[b|1, q|1, kv]` with a contiguous last dim (or
+    None)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(f"the relational kernels take a bool [b|1, 1, q|1, kv] mask, got {mask.dtype} "
+                         f"{list(mask.shape)}")
+    mask = mask[:, 0]
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
+
+
 def cpu_relational_attention(query, key, values, q_rel, k_rel, causal: bool, scaling: float,
-                             relation_scaling: float):
+                             relation_scaling: float, mask=None):
     """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
     expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, all float32 on CPU;
-    causal: receiver i sees senders j <= kv - q + i -> attended symbols `[b, q, h, d_h]`, attended relations
+    causal: receiver i sees senders j <= kv - q + i; mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, on top of
+    causal; a receiver without senders gets zeros) -> attended symbols `[b, q, h, d_h]`, attended relations
     `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
     symbols, relations, _ = torch.ops.dat_hf.relational_attention_forward(
-        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), causal, scaling, relation_scaling)
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), _kernel_mask(mask), causal, scaling,
+        relation_scaling)
     return symbols, relations
 
 
-def cpu_relational_decode(query, key, values, q_rel, k_rel, relation_proj, scaling: float, relation_scaling: float):
+def cpu_relational_decode(query, key, values, q_rel, k_rel, relation_proj, scaling: float, relation_scaling: float,
+                          mask=None):
     """One decoding step of the relational heads, before the output projection (no autograd): query `[b, h, 1, d_h]`,
     key and symbol values `[b, h_kv, kv, d_h]`, relation queries `[b, 1, R, d_r]`, relation keys `[b, kv, R, d_r]`,
-    relation_proj (W_r) `[h, d_h, R]`, float32 on CPU, no mask -> `[b, 1, h, d_h]`:
-    `sum_j a_ij (s_j W_s + r(x_i, x_j) W_r)` per head."""
+    relation_proj (W_r) `[h, d_h, R]`, float32 on CPU; mask None or bool `[b|1, 1, 1, kv]` (True = attend; a row with
+    no sender gets zeros) -> `[b, 1, h, d_h]`: `sum_j a_ij (s_j W_s + r(x_i, x_j) W_r)` per head."""
     return torch.ops.dat_hf.relational_attention_decode(
-        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), relation_proj.contiguous(), scaling,
-        relation_scaling)
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), relation_proj.contiguous(),
+        _kernel_mask(mask), scaling, relation_scaling)
 
 
 __all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "cpu_relational_decode",

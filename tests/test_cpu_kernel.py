@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_config
-from test_tiled_kernel import CallCounter, assert_close, make_inputs, reference_relational_attention
+from test_tiled_kernel import CallCounter, assert_close, make_inputs, random_bool_mask, reference_relational_attention
 
 import dat_hf.dual_attention as da
 import dat_hf.relational_kernel_cpu as kernel
@@ -66,7 +66,8 @@ CASES = {
 }
 
 
-def run_kernel_and_reference(spec, seed=0, transpose_query=False):
+def run_kernel_and_reference(spec, seed=0, transpose_query=False, mask=None):
+    """mask: None or bool `[b|1, 1, q, kv]` (True = attend), on top of `causal`."""
     spec = dict(spec)
     causal = spec.pop("causal")
     h, h_kv = 4, spec.setdefault("h_kv", 4)
@@ -75,8 +76,13 @@ def run_kernel_and_reference(spec, seed=0, transpose_query=False):
     b, q_len, kv_len = inputs64[0].shape[0], inputs64[0].shape[2], inputs64[1].shape[2]
     R = inputs64[3].shape[2]
     scaling, relation_scaling = 0.37, 0.61
-    expected = reference_relational_attention(*inputs64, AttentionMask(None, None, causal), scaling,
-                                              relation_scaling, h // h_kv)
+    reference_mask = AttentionMask(None, None, causal)
+    if mask is not None:
+        allowed = mask
+        if causal:
+            allowed = allowed & (torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len))
+        reference_mask = AttentionMask(allowed, None, causal)
+    expected = reference_relational_attention(*inputs64, reference_mask, scaling, relation_scaling, h // h_kv)
     inputs = [t.detach().float().requires_grad_() for t in inputs64]
     query = inputs[0]
     if transpose_query:  # the model's layout: [b, q, h, d] storage viewed as [b, h, q, d]
@@ -84,7 +90,7 @@ def run_kernel_and_reference(spec, seed=0, transpose_query=False):
         inputs[0] = query
     values = inputs[2].expand(b, -1, -1, -1)
     got = kernel.cpu_relational_attention(query, inputs[1], values, inputs[3], inputs[4].view(b, kv_len, R, -1),
-                                          causal, scaling, relation_scaling)
+                                          causal, scaling, relation_scaling, mask)
     gen = torch.Generator().manual_seed(11)
     grads_out = [torch.randn(e.shape, generator=gen, dtype=torch.float64) for e in expected]
     grads = torch.autograd.grad(got, inputs, [g.float() for g in grads_out])
@@ -101,6 +107,47 @@ def test_function_matches_reference(case, loaded):
     for g, e, name in zip(grads, grads64, ["query", "key", "symbol values", "relation queries", "relation keys"]):
         assert g.shape == e.shape, name
         assert_close(g.double(), e, atol=2e-5, rtol=2e-5, what=f"grad of {name}")
+
+
+def right_padding(b, kv_len, lengths):
+    """bool `[b, 1, 1, kv]`: row i's senders beyond lengths[i] are padding (every causal receiver keeps sender 0)."""
+    return (torch.arange(kv_len)[None] < torch.tensor(lengths)[:, None])[:, None, None]
+
+
+MASKED_CASES = {  # (spec, mask builder)
+    "causal-right-padding": (dict(causal=True, b=3, q_len=10), lambda: right_padding(3, 10, [10, 6, 1])),
+    "causal-kv-longer-padding": (dict(causal=True, b=2, kv_len=23), lambda: right_padding(2, 23, [23, 15])),
+    "full-random": (dict(causal=False, b=2), lambda: random_bool_mask(2, 10, 10)),
+    "full-random-shared-over-batch": (dict(causal=False, b=2, h_kv=2), lambda: random_bool_mask(1, 10, 10, seed=1)),
+    "crosses-blocks-causal-padding": (dict(causal=True, b=2, q_len=150, kv_len=300, d=8, R=2, d_r=4),
+                                      lambda: right_padding(2, 300, [300, 170])),
+    "crosses-blocks-full-random": (dict(causal=False, b=1, q_len=130, kv_len=270, d=8, R=2, d_r=4),
+                                   lambda: random_bool_mask(1, 130, 270, seed=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(MASKED_CASES))
+def test_function_with_mask_matches_reference(case, loaded):
+    spec, make_mask = MASKED_CASES[case]
+    got, expected, grads, grads64 = run_kernel_and_reference(spec, mask=make_mask())
+    for g, e, name in zip(got, expected, ["attended symbols", "attended relations"]):
+        assert_close(g.double(), e, atol=2e-5, rtol=2e-5, what=name)
+    for g, e, name in zip(grads, grads64, ["query", "key", "symbol values", "relation queries", "relation keys"]):
+        assert_close(g.double(), e, atol=2e-5, rtol=2e-5, what=f"grad of {name}")
+
+
+def test_receivers_without_senders_get_zeros_and_zero_gradients(loaded):
+    b, h, q_len, d, R, d_r = 2, 4, 9, 6, 3, 5
+    inputs = [t.detach().float().requires_grad_() for t in make_inputs(b=b, q_len=q_len, kv_len=q_len)]
+    mask = torch.ones(b, 1, q_len, q_len, dtype=torch.bool)
+    mask[1, :, 4] = False  # receiver 4 of row 1 has no sender
+    symbols, relations = kernel.cpu_relational_attention(
+        inputs[0], inputs[1], inputs[2], inputs[3], inputs[4].view(b, q_len, R, -1), False, 0.3, 0.7, mask)
+    assert torch.isfinite(symbols).all() and torch.isfinite(relations).all()
+    assert (symbols[1, 4] == 0).all() and (relations[1, 4] == 0).all()
+    grads = torch.autograd.grad((symbols.sum() + relations.sum()), inputs)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][1, :, 4] == 0).all() and (grads[3][1, 4] == 0).all()  # its query and relation query
 
 
 def test_strided_query(loaded):
@@ -129,15 +176,19 @@ def test_bad_inputs_name_the_problem(loaded):
     qr, kr = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3, 4)
     op = torch.ops.dat_hf.relational_attention_forward
     with pytest.raises(RuntimeError, match="query must be a float32 CPU tensor"):
-        op(q.double(), k, v, qr, kr, True, 1.0, 1.0)
+        op(q.double(), k, v, qr, kr, None, True, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="symbol values"):
-        op(q, k, v[:1], qr, kr, True, 1.0, 1.0)  # a batch-1 view must be expanded first
+        op(q, k, v[:1], qr, kr, None, True, 1.0, 1.0)  # a batch-1 view must be expanded first
     with pytest.raises(RuntimeError, match="relation queries"):
-        op(q, k, v, qr[:, :4], kr, True, 1.0, 1.0)
+        op(q, k, v, qr[:, :4], kr, None, True, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="h divisible by h_kv"):
-        op(q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), qr, kr, True, 1.0, 1.0)
+        op(q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), qr, kr, None, True, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="causal attention needs kv_len >= q_len"):
-        op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], True, 1.0, 1.0)
+        op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], None, True, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match=r"the mask must be bool \[b or 1, q or 1, kv\] = \[2 or 1, 5 or 1, 5\]"):
+        op(q, k, v, qr, kr, torch.ones(2, 5, 4, dtype=torch.bool), True, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="the mask must be bool"):
+        op(q, k, v, qr, kr, torch.ones(2, 5, 5), True, 1.0, 1.0)
 
 
 # ---- model level -------------------------------------------------------------------------------------------------
@@ -180,6 +231,30 @@ def test_lm_kernel_equals_fused(overrides, loaded, monkeypatch):
         assert_close(g, e, atol=1e-5, rtol=1e-4)
 
 
+MASKED_MODELS = {  # config overrides, whether the batch is left-padded
+    "left-padded-batch": (dict(), True),
+    "sliding-window": (dict(relational_bias="sliding_window", sliding_window_size=5), False),
+    "sparse-relational-padded": (dict(relational_heads_bias="sparse", sparse_block_size=4, sparse_global_tokens=1),
+                                 True),
+}
+
+
+@pytest.mark.parametrize("case", list(MASKED_MODELS))
+def test_lm_kernel_with_masks_equals_fused(case, loaded, monkeypatch):
+    overrides, padded = MASKED_MODELS[case]
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(**overrides))
+    x = torch.randint(0, model.config.vocab_size, (3, 29))
+    kwargs = {}
+    if padded:  # rows padded on the left by 0, 5 and 11 tokens (padded receivers have no sender: zero messages)
+        kwargs["attention_mask"] = (torch.arange(29)[None] >= torch.tensor([0, 5, 11])[:, None]).long()
+    (logits_k, grads_k), (logits_f, grads_f) = kernel_and_fused(
+        monkeypatch, lambda: logits_and_grads(model, x, **kwargs))
+    assert_close(logits_k, logits_f, atol=1e-5)
+    for g, e in zip(grads_k, grads_f):
+        assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
 def test_encoder_kernel_equals_fused(loaded, monkeypatch):
     torch.manual_seed(1)
     config = DATEncoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2,
@@ -203,14 +278,18 @@ def test_dispatch(loaded, monkeypatch):
     with torch.no_grad():
         model(x)
         assert calls.calls == layers
-        model(x, attention_mask=torch.ones_like(x).index_fill_(1, torch.tensor([0]), 0))  # padding: tiled path
-        assert calls.calls == layers
+        model(x, attention_mask=torch.ones_like(x).index_fill_(1, torch.tensor([0]), 0))  # a bool padding mask
+        assert calls.calls == 2 * layers
+        model.set_attn_implementation("eager")
+        model(x, attention_mask=torch.ones_like(x).index_fill_(1, torch.tensor([0]), 0))  # additive float: tiled
+        model.set_attn_implementation("sdpa")
+        assert calls.calls == 2 * layers
         model.double()(x)  # fp64: tiled path
-        assert calls.calls == layers
+        assert calls.calls == 2 * layers
         model.float()
         monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
         model(x)
-        assert calls.calls == layers
+        assert calls.calls == 2 * layers
 
 
 def test_torch_compile_calls_the_op(loaded):
@@ -245,25 +324,35 @@ DECODE_CASES = {
 }
 
 
-def decode_reference(inputs64, relation_proj, scaling, relation_scaling, groups):
-    """fp64: the full relational attention of one receiver that sees every sender, then `+ relations W_r`."""
-    symbols, relations = reference_relational_attention(*inputs64, AttentionMask(None, None, False), scaling,
-                                                        relation_scaling, groups)
-    return symbols + torch.einsum("bqhr,hdr->bqhd", relations, relation_proj)
+def decode_reference(inputs64, relation_proj, scaling, relation_scaling, groups, mask=None):
+    """fp64: the full relational attention of one receiver that sees every (unmasked) sender, then `+ relations
+    W_r`; a receiver without senders gets zeros."""
+    attention_mask = AttentionMask(None if mask is None else mask[:, None, None], None, False)
+    symbols, relations = reference_relational_attention(*inputs64, attention_mask, scaling, relation_scaling, groups)
+    out = symbols + torch.einsum("bqhr,hdr->bqhd", relations, relation_proj)
+    if mask is not None:
+        out = torch.where(mask.any(-1)[:, None, None, None], out, torch.zeros((), dtype=out.dtype))
+    return out
 
 
-def run_decode(spec, seed=0):
+def run_decode(spec, seed=0, mask=None):
     spec = dict(spec, q_len=1)
     spec.setdefault("kv_len", 37)
     inputs64 = [t.detach() for t in make_inputs(seed=seed, **spec)]
     b, h, _, d = inputs64[0].shape
     h_kv, kv_len, R = inputs64[1].shape[1], inputs64[1].shape[2], inputs64[3].shape[2]
     relation_proj = torch.randn(h, d, R, generator=torch.Generator().manual_seed(seed + 5), dtype=torch.float64)
-    expected = decode_reference(inputs64, relation_proj, 0.37, 0.61, h // h_kv)
+    expected = decode_reference(inputs64, relation_proj, 0.37, 0.61, h // h_kv,
+                                None if mask is None else mask.expand(b, -1))
     q, k, v, qr, kr = (t.float() for t in inputs64)
     got = kernel.cpu_relational_decode(q, k, v.expand(b, -1, -1, -1), qr, kr.view(b, kv_len, R, -1),
-                                       relation_proj.float(), 0.37, 0.61)
+                                       relation_proj.float(), 0.37, 0.61, None if mask is None else mask[:, None, None])
     return got, expected
+
+
+def left_padding(b, kv_len, seed=0):
+    """bool [b, kv]: row i drops its first i * 3 senders (True = attend)."""
+    return torch.arange(kv_len)[None] >= 3 * torch.arange(b)[:, None]
 
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))
@@ -271,6 +360,24 @@ def test_decode_matches_reference(case, loaded):
     got, expected = run_decode(DECODE_CASES[case])
     assert got.shape == expected.shape and got.dtype == torch.float32
     assert_close(got.double(), expected, atol=2e-5, rtol=2e-5, what="decoded relational heads")
+
+
+@pytest.mark.parametrize("mask_kind", ["left-padding", "shared-window", "random", "row-without-senders"])
+def test_decode_with_mask_matches_reference(mask_kind, loaded):
+    b, kv_len = 3, 37
+    if mask_kind == "left-padding":
+        mask = left_padding(b, kv_len)
+    elif mask_kind == "shared-window":  # one [1, kv] mask for the batch (a sliding window)
+        mask = torch.arange(kv_len)[None] >= kv_len - 8
+    else:
+        mask = torch.rand(b, kv_len, generator=torch.Generator().manual_seed(1)) > 0.5
+        if mask_kind == "row-without-senders":
+            mask[1] = False
+    got, expected = run_decode(dict(b=b, h_kv=2, kv_len=kv_len), mask=mask)
+    assert torch.isfinite(got).all()
+    assert_close(got.double(), expected, atol=2e-5, rtol=2e-5, what=f"decoded heads, {mask_kind} mask")
+    if mask_kind == "row-without-senders":
+        assert (got[1] == 0).all()
 
 
 def test_decode_reads_strided_views_of_a_packed_cache(loaded):
@@ -311,11 +418,15 @@ def test_decode_bad_inputs_name_the_problem(loaded):
     qr, kr, w = torch.randn(1, 1, 3, 4), torch.randn(1, 5, 3, 4), torch.randn(2, 8, 3)
     op = torch.ops.dat_hf.relational_attention_decode
     with pytest.raises(RuntimeError, match="one receiver per row"):
-        op(torch.randn(1, 2, 2, 8), k, v, torch.randn(1, 2, 3, 4), kr, w, 1.0, 1.0)
+        op(torch.randn(1, 2, 2, 8), k, v, torch.randn(1, 2, 3, 4), kr, w, None, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="relation_proj must be a contiguous float32"):
-        op(q, k, v, qr, kr, w[:, :, :2], 1.0, 1.0)
+        op(q, k, v, qr, kr, w[:, :, :2], None, 1.0, 1.0)
     with pytest.raises(RuntimeError, match=r"relation queries \[b, q, R, d_r\] and keys"):
-        op(q, k, v, qr, kr[:, :4], w, 1.0, 1.0)
+        op(q, k, v, qr, kr[:, :4], w, None, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match=r"the mask must be bool \[b or 1, q or 1, kv\]"):
+        op(q, k, v, qr, kr, w, torch.ones(1, 1, 4, dtype=torch.bool), 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="the mask must be bool"):
+        op(q, k, v, qr, kr, w, torch.zeros(1, 1, 5), 1.0, 1.0)
 
 
 def greedy(model, prompt, **kwargs):
@@ -324,17 +435,29 @@ def greedy(model, prompt, **kwargs):
     return out.sequences, torch.stack(out.scores)
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(num_relational_key_value_heads=1, num_relations=3, relation_dim=5)],
-                         ids=["default", "gqa"])
-def test_generation_with_decode_op_equals_without(overrides, loaded, monkeypatch):
+GENERATION_CASES = {
+    "default": (dict(), False),
+    "gqa": (dict(num_relational_key_value_heads=1, num_relations=3, relation_dim=5), False),
+    "left-padded-batch": (dict(), True),
+    "sliding-window": (dict(relational_bias="sliding_window", sliding_window_size=4), False),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATION_CASES))
+def test_generation_with_decode_op_equals_without(case, loaded, monkeypatch):
+    overrides, padded = GENERATION_CASES[case]
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(**overrides)).eval()
-    prompt = torch.randint(0, model.config.vocab_size, (2, 9))
+    prompt = torch.randint(1, model.config.vocab_size, (2, 9))
+    kwargs = {}
+    if padded:  # the first prompt is 3 tokens shorter, padded on the left
+        kwargs = dict(attention_mask=torch.ones_like(prompt).index_fill_(1, torch.arange(3), 0)
+                      .index_fill_(0, torch.tensor([1]), 1), pad_token_id=0)
     calls = CallCounter(monkeypatch, "cpu_relational_decode")
-    tokens, scores = greedy(model, prompt)
+    tokens, scores = greedy(model, prompt, **kwargs)
     assert calls.calls == model.config.num_hidden_layers * 11  # every step after the prefill, every layer
     monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
-    tokens_ref, scores_ref = greedy(model, prompt)
+    tokens_ref, scores_ref = greedy(model, prompt, **kwargs)
     assert calls.calls == model.config.num_hidden_layers * 11
     assert torch.equal(tokens, tokens_ref)
     assert_close(scores, scores_ref, atol=1e-5)
@@ -346,6 +469,7 @@ def test_decode_op_dispatch(loaded, monkeypatch):
     calls = CallCounter(monkeypatch, "cpu_relational_decode")
     prompt = torch.randint(0, model.config.vocab_size, (2, 6))
     layers = model.config.num_hidden_layers
+    padding = torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0)
 
     def one_step(**kwargs):
         out = model(prompt, use_cache=True, **kwargs)
@@ -354,15 +478,19 @@ def test_decode_op_dispatch(loaded, monkeypatch):
             kwargs["attention_mask"] = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         return model(prompt[:, :1], past_key_values=out.past_key_values, **kwargs).logits
 
+    def taken(**kwargs):
+        before = calls.calls
+        one_step(**kwargs)
+        return {0: False, layers: True}[calls.calls - before]
+
     model.eval()
     with torch.no_grad():
-        one_step()
-        assert calls.calls == layers
-        one_step(attention_mask=torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0))  # padding: python
-        assert calls.calls == layers
+        assert taken()
+        assert taken(attention_mask=padding)  # a bool padding mask goes to the op
         model.double()
-        one_step()  # fp64: python
+        assert not taken()  # fp64: python
         model.float()
-        assert calls.calls == layers
-    one_step()  # gradients enabled (the op has no backward): python
-    assert calls.calls == layers
+        model.set_attn_implementation("eager")
+        assert not taken(attention_mask=padding)  # eager builds additive float masks: python
+        model.set_attn_implementation("sdpa")
+    assert not taken()  # gradients enabled (the op has no backward): python
