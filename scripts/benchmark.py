@@ -4,6 +4,7 @@ Transformers' LlamaForCausalLM of the same width, depth, total heads and FFN.
 
     python scripts/benchmark.py train --seq 256 512 1024 --repeats 3 --out runs/bench
     python scripts/benchmark.py generate --prompt 16 1024 --new-tokens 512 --out runs/bench
+    python scripts/benchmark.py train --device cuda --dtype bf16 --seq 1024 2048 4096 8192 --out runs/gpu
 
 Every measurement runs in its own process (peak memory = that process's max RSS; "net" = peak minus the RSS once the
 model and optimizer are built, i.e. what training adds); models alternate within each
@@ -58,13 +59,41 @@ def _logits(impl, model, x):
     return model(x)[0] if impl == "reference" else model(x).logits
 
 
-def worker_train(args):
-    import resource
+class Device:
+    """Where a worker runs: `sync()` before reading a clock; peak memory = max RSS on CPU, the allocator's peak on
+    CUDA; `autocast()` for `--dtype bf16` (fp32 weights, bf16 matmuls)."""
 
+    def __init__(self, args):
+        import torch
+
+        self.torch, self.name, self.bf16 = torch, args.device, args.dtype == "bf16"
+        self.cuda = torch.device(args.device).type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def memory_gib(self):
+        if self.cuda:
+            return self.torch.cuda.max_memory_allocated() / 2**30
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
+
+    def autocast(self):
+        import contextlib
+
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return self.torch.autocast(self.torch.device(self.name).type, dtype=self.torch.bfloat16)
+
+
+def worker_train(args):
     import torch
 
     torch.set_num_threads(args.threads)
-    model = build(args.impl, **model_kwargs(args)).train()
+    device = Device(args)
+    model = build(args.impl, **model_kwargs(args)).train().to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.compile:  # the first (warm-up) step compiles; dat_hf and Llama compile as one graph
         if args.impl == "dat_hf":  # compiled graphs call dat_hf's CPU kernel only when it is already loaded
@@ -72,19 +101,22 @@ def worker_train(args):
 
             load_cpu_kernel()
         model = torch.compile(model, fullgraph=args.impl != "reference")
-    x = torch.randint(0, args.vocab, (args.batch, args.seq))
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # interpreter, libraries and the model
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+    base = device.memory_gib()  # interpreter, libraries and the model (CPU); the model (CUDA)
     times = []
     for step in range(args.steps + 1):
+        device.sync()
         start = time.perf_counter()
-        logits = _logits(args.impl, model, x)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        with device.autocast():
+            logits = _logits(args.impl, model, x)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        device.sync()
         if step > 0:  # the first step warms up
             times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
+    peak = device.memory_gib()
     # net = what training added on top of the process after the model was built (activations, gradients, AdamW)
     print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base}))
 
@@ -93,8 +125,11 @@ def worker_generate(args):
     import torch
 
     torch.set_num_threads(args.threads)
-    model = build(args.impl, **model_kwargs(args)).eval()
-    x = torch.randint(0, args.vocab, (1, args.prompt))
+    device = Device(args)
+    model = build(args.impl, **model_kwargs(args)).eval().to(args.device)
+    if device.bf16:
+        model = model.to(torch.bfloat16)
+    x = torch.randint(0, args.vocab, (1, args.prompt), device=args.device)
 
     def generate(new_tokens):
         if args.impl == "reference":
@@ -102,8 +137,10 @@ def worker_generate(args):
         return model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     def timed(new_tokens):
+        device.sync()
         start = time.perf_counter()
         generate(new_tokens)
+        device.sync()
         return time.perf_counter() - start
 
     with torch.no_grad():
@@ -154,7 +191,7 @@ def main_train(args):
                              "net_gib": summarize(r, "net_gib"), "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
     print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={args.hidden}, {args.layers} layers, "
           f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads"
-          + (", torch.compile" if args.compile else "")
+          + (", torch.compile" if args.compile else "") + f", {args.device} {args.dtype}"
           + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
     print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'net GiB':>8} {'t/ref':>7} {'t/llama':>8} "
           f"{'m/ref':>7} {'m/llama':>8} {'net/ref':>8} {'net/llama':>9}")
@@ -182,7 +219,8 @@ def main_generate(args):
                                              max_len=max(args.max_len, prompt + args.new_tokens)))
         table[prompt] = {impl: {key: summarize(r, key) for key in ("decode_ms_per_token", "ms_per_token", "prefill_s")}
                          | {"errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
-    print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads); decode = ms per "
+    print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
+          f"{args.dtype}); decode = ms per "
           "token after the prompt, with prompt = total time / new tokens")
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10} {'decode/llama':>13} "
           f"{'ref/dat_hf decode':>18}")
@@ -241,6 +279,9 @@ def parser():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]; on CUDA peak memory is the allocator's peak")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: train under autocast (fp32 weights), generate with bf16 weights")
     p.add_argument("--reference-max-seq", type=int, default=2048)
     p.add_argument("--compile", action="store_true", help="train: torch.compile every model (fullgraph for dat_hf, Llama)")
     p.add_argument("--mmap-threshold", type=int, default=0,

@@ -36,3 +36,24 @@ def test_benchmark_generate_smoke(tmp_path):
         assert results[impl]["decode_ms_per_token"] > 0 and results[impl]["ms_per_token"] > 0, results[impl]
         assert results[impl]["prefill_s"] > 0
     assert "decode/llama" in result.stdout
+
+
+def test_benchmark_bf16_options_smoke(tmp_path):
+    """`--dtype bf16` (autocast in training, bf16 weights in generation) runs end to end; on this CPU machine it stands
+    in for the `--device cuda --dtype bf16` run a GPU session makes."""
+    common = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64", "--threads", "1",
+              "--impls", "dat_hf", "llama", "--device", "cpu", "--dtype", "bf16"]
+    script = str(REPO / "scripts" / "benchmark.py")
+    train = subprocess.run([sys.executable, script, "train", "--seq", "32", "--steps", "1", "--batch", "1", *common,
+                            "--out", str(tmp_path / "train")], capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr
+    assert "cpu bf16" in train.stdout
+    results = json.loads((tmp_path / "train" / "train.json").read_text())["results"]["32"]
+    for impl in ("dat_hf", "llama"):
+        assert results[impl]["errors"] == [] and results[impl]["time_s"] > 0, results[impl]
+    generate = subprocess.run([sys.executable, script, "generate", "--prompt", "6", "--new-tokens", "3", *common,
+                               "--out", str(tmp_path / "gen")], capture_output=True, text=True, timeout=300)
+    assert generate.returncode == 0, generate.stderr
+    results = json.loads((tmp_path / "gen" / "generate.json").read_text())["results"]["6"]
+    for impl in ("dat_hf", "llama"):
+        assert results[impl]["errors"] == [] and results[impl]["decode_ms_per_token"] > 0, results[impl]
