@@ -607,7 +607,7 @@ class DualAttention(nn.Module):
         # with shared attention parameters the sensory heads use the relational heads' queries and keys
         q_r, k_r = queries[0], keys[0]
         q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
-        v_s = values[0]
+        v_s = values[0] if sensory is not None else None
 
         outputs = []
         if sensory is not None:
@@ -686,7 +686,7 @@ class InPlaceCacheLayer(DynamicLayer):
         self._buffers = tuple(buffers)
 
     def reset(self) -> None:
-        self._buffers = None
+        self._buffers, self._length = None, 0
         super().reset()
 
 

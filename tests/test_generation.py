@@ -196,6 +196,9 @@ def test_in_place_cache_layer_behaves_like_dynamic_layer():
         out = None
         for layer in (ours, theirs):
             out = getattr(layer, op)(*args) if op != "reorder" else layer.batch_select_indices(args[0])
+        if op == "reset":
+            assert ours.keys is None and theirs.keys is None
+            return out
         if op == "update":
             handed_out.append((ours.keys, ours.values, ours.keys.clone(), ours.values.clone()))
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), op
@@ -214,9 +217,12 @@ def test_in_place_cache_layer_behaves_like_dynamic_layer():
     step("batch_select_indices", torch.tensor([1, 4]))
     for _ in range(20):
         step("update", *states(2, 1))
+    assert ours._buffers[0].shape[-2] < 2 * ours.get_seq_length() + 2  # grew by doubling, not per step
+    step("reset")
+    step("update", *states(2, 3))
     for keys, values, keys_then, values_then in handed_out:
         assert torch.equal(keys, keys_then) and torch.equal(values, values_then)
-    assert ours._buffers[0].shape[-2] < 2 * ours.get_seq_length() + 2  # grew by doubling, not per step
+    assert ours._buffers[0].shape[-2] == 6  # reset: fresh buffers, sized by the capacity hint again
 
 
 @torch.no_grad()
