@@ -129,7 +129,8 @@ def _bool_mask_or_none(mask: AttentionMask) -> bool:
 class SensoryAttention(nn.Module):
     """Standard multi-head self-attention (GQA, RoPE) over the Transformers attention interface.
 
-    `project` gives q `[b, h, n, d_h]`, k, v `[b, h_kv, n, d_h]`; `forward` attends and projects:
+    `project` gives q `[b, h, n, d_h]`, k, v `[b, h_kv, n, d_h]` (q, k before RoPE, which `DualAttention` applies to
+    every head at once); `forward` attends and projects:
     -> output `[b, n, h * d_h]`, weights `[b, h, q, kv]` or None.
     """
 
@@ -153,15 +154,13 @@ class SensoryAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    def project(self, hidden_states, position_embeddings=None, shared_qk=None):
+    def project(self, hidden_states, shared_qk=None):
         b, n, _ = hidden_states.shape
         if shared_qk is not None:
             q, k = shared_qk
         else:
             q = self.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
             k = self.k_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-            if position_embeddings is not None:
-                q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         v = self.v_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
         return q, k, v
 
@@ -173,9 +172,9 @@ class SensoryAttention(nn.Module):
 class RelationalAttention(nn.Module):
     """Relational attention heads: `A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)`.
 
-    `project` gives the attention query `[b, h, n, d_h]`, attention key `[b, h_kv, n, d_h]`, symbol values
-    (`[b, h_kv, n, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols), relation
-    queries `[b, n, R, d_r]` and relation keys `[b, n, R * d_r]`. `forward` attends and projects: -> output
+    `project` gives the attention query `[b, h, n, d_h]`, attention key `[b, h_kv, n, d_h]` (both before RoPE),
+    symbol values (`[b, h_kv, n, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols),
+    relation queries `[b, n, R, d_r]` and relation keys `[b, n, R * d_r]`. `forward` attends and projects: -> output
     `[b, n, h * d_h]`, attention weights `[b, h, q, kv]` and relations `[b, R, q, kv]` (both only when
     `output_attentions`).
     """
@@ -220,49 +219,42 @@ class RelationalAttention(nn.Module):
         return self.relation_act is None and not self.relative_symbols
 
     def _cpu_path_eligible(self, query, output_attentions) -> bool:
+        """What every CPU path (kernel, decode op, tiled) needs: fused-path heads, fp32/fp64 on CPU, no weights asked
+        for, no autocast (it runs the matmuls in bf16: the fused path handles it), no attention dropout in training."""
         return (
             self.uses_fused_path and not output_attentions
             and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
-            and not torch.is_autocast_enabled("cpu")  # autocast runs the matmuls in bf16: the fused path handles it
-            and query.shape[2] > 1 and not (self.training and self.attention_dropout > 0)
+            and not torch.is_autocast_enabled("cpu") and not (self.training and self.attention_dropout > 0)
         )
 
-    def _takes_cpu_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
-        if not (self.use_cpu_kernel and query.dtype == torch.float32 and _bool_mask_or_none(mask)
-                and self._cpu_path_eligible(query, output_attentions)):
-            return False
+    @staticmethod
+    def _cpu_kernel_loaded() -> bool:
         # under torch.compile only an already loaded kernel is used (building it is not traceable)
         return cpu_kernel_ready() or (not torch.compiler.is_compiling() and load_cpu_kernel())
+
+    def _takes_cpu_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
+        return (self.use_cpu_kernel and query.dtype == torch.float32 and query.shape[2] > 1 and _bool_mask_or_none(mask)
+                and self._cpu_path_eligible(query, output_attentions) and self._cpu_kernel_loaded())
 
     def _takes_cpu_decode_kernel(self, query, mask: AttentionMask, output_attentions) -> bool:
         """One receiver per row without gradients (generation): the kernel's whole-step decode op (no mask, or a bool
         one such as left padding)."""
-        if not (self.use_cpu_kernel and query.shape[2] == 1 and self.uses_fused_path and not output_attentions
-                and query.device.type == "cpu" and query.dtype == torch.float32
+        return (self.use_cpu_kernel and query.dtype == torch.float32 and query.shape[2] == 1
                 and _bool_mask_or_none(mask) and mask.row_valid is None and self.relation_proj.dtype == torch.float32
-                and not torch.is_autocast_enabled("cpu")
-                and not (self.training and self.attention_dropout > 0)
-                and not (torch.is_grad_enabled() and (query.requires_grad or self.relation_proj.requires_grad))):
-            return False
-        return cpu_kernel_ready() or (not torch.compiler.is_compiling() and load_cpu_kernel())
+                and self._cpu_path_eligible(query, output_attentions)
+                and not (torch.is_grad_enabled() and (query.requires_grad or self.relation_proj.requires_grad))
+                and self._cpu_kernel_loaded())
 
     def _takes_tiled_path(self, query, key, output_attentions) -> bool:
         return (
-            self.use_tiled_kernel and self._cpu_path_eligible(query, output_attentions)
+            self.use_tiled_kernel and query.shape[2] > 1 and self._cpu_path_eligible(query, output_attentions)
             and query.shape[2] * key.shape[2] >= TILED_MIN_PAIRS and not torch.compiler.is_compiling()
         )
 
-    def attention_query_key(self, hidden_states, position_embeddings=None):
+    def project(self, hidden_states, symbols):
         b, n, _ = hidden_states.shape
         q = self.q_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
         k = self.k_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-        if position_embeddings is not None:
-            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        return q, k
-
-    def project(self, hidden_states, symbols, position_embeddings=None):
-        b, n, _ = hidden_states.shape
-        q, k = self.attention_query_key(hidden_states, position_embeddings)
         q_rel = self.q_rel_proj(hidden_states)
         k_rel = q_rel if self.symmetric_relations else self.k_rel_proj(hidden_states)
         if self.relative_symbols:  # the [2K + 1, d] table -> [2K + 1, h_kv, d_h]
@@ -556,8 +548,9 @@ class DualAttention(nn.Module):
         # packing layout of the cache: key heads [relational | sensory], values [sensory | symbol values | relation
         # keys] (heads per value part; 0 = a flat `[b, N, width]` part)
         rel, sen = self.relational, self.sensory
-        self._key_heads = [m.num_kv_heads for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
-        self._query_heads = [m.num_heads for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
+        own_qk = [m for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
+        self._key_heads = [m.num_kv_heads for m in own_qk]
+        self._query_heads = [m.num_heads for m in own_qk]
         self._key_heads_total = sum(self._key_heads)
         self._value_heads = ([sen.num_kv_heads] if sen is not None else []) + (
             ([rel.num_kv_heads] if not rel.relative_symbols else []) + [0] if rel is not None else [])
@@ -623,8 +616,7 @@ class DualAttention(nn.Module):
         """Undo the value packing of `forward`: `[b, 1, N, width]` -> [sensory values `[b, h_kv, N, d_h]`, symbol
         values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]`] (those the layer has, in that order)."""
         b, _, total, _ = value_cache.shape
-        flat = value_cache[:, 0]
-        parts = flat.split(self._value_widths, dim=-1) if len(self._value_widths) > 1 else [flat]
+        parts = value_cache[:, 0].split(self._value_widths, dim=-1)
         return [part.view(b, total, heads, self.head_dim).transpose(1, 2) if heads else part
                 for heads, part in zip(self._value_heads, parts)]
 

@@ -212,6 +212,27 @@ def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=Non
     return layer_biases, masks
 
 
+def starts_cache(model, use_cache, past_key_values) -> bool:
+    """Whether a decoder forward starts its own cache: asked for, none given, and not a training forward (train mode,
+    gradients on), whose cache nothing would read."""
+    return bool(use_cache) and past_key_values is None and not (model.training and torch.is_grad_enabled())
+
+
+def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len, past_seen, device):
+    """The positions of a decoder forward (the caller's, checked, or counted from the cache and padding) ->
+    (position_ids `[b|1, n]`, the positions for the mask builder: the caller's only, since it looks for packed
+    sequences (positions restarting) in them)."""
+    positions_given = position_ids is not None
+    if position_ids is None:
+        position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, past_seen, device)
+    elif position_ids.shape[-1] != seq_len:
+        raise ValueError(f"`position_ids` must have shape [batch, {seq_len}], got {list(position_ids.shape)}.")
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    model._check_positions(position_ids)
+    return position_ids, (position_ids if positions_given else None)
+
+
 def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, masks, **layer_kwargs):
     """The DAT stack shared by every model family: each layer gets its symbols (computed once when shared and
     feature-independent) and the masks of its biases. `[b, n, d]` -> `[b, n, d]`."""
@@ -376,8 +397,7 @@ class DATModel(DATPreTrainedModel):
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
-        # a training forward (train mode, gradients on) starts no cache: nothing would read it
-        if use_cache and past_key_values is None and not (self.training and torch.is_grad_enabled()):
+        if starts_cache(self, use_cache, past_key_values):
             past_key_values = use_in_place_cache_layers(DynamicCache(config=self.config))
         if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
             # each layer's cache packs keys and values of different widths (see DualAttention), which fixed-shape
@@ -388,16 +408,8 @@ class DATModel(DATPreTrainedModel):
             )
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
-        positions_given = position_ids is not None
-        if position_ids is None:
-            position_ids = self._default_position_ids(attention_mask, batch_size, seq_len, past_seen, inputs_embeds.device)
-        elif position_ids.shape[-1] != seq_len:
-            raise ValueError(f"`position_ids` must have shape [batch, {seq_len}], got {list(position_ids.shape)}.")
-        if position_ids.dim() == 1:
-            position_ids = position_ids[None]
-        self._check_positions(position_ids)
-        # the mask builder looks for packed sequences (positions restarting) only in positions the caller gave
-        mask_positions = position_ids if positions_given else None
+        position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
+                                                            past_seen, inputs_embeds.device)
 
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            self.config.position_embedding_type)

@@ -51,7 +51,9 @@ from .modeling_dat import (
     build_layer_masks,
     init_positions,
     make_norm,
+    resolve_position_ids,
     run_dat_layers,
+    starts_cache,
 )
 from .symbol_retrieval import SymbolRetrievers
 
@@ -445,8 +447,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
-        # a training forward (train mode, gradients on) starts no cache: nothing would read it
-        if use_cache and past_key_values is None and not (self.training and torch.is_grad_enabled()):
+        if starts_cache(self, use_cache, past_key_values):
             past_key_values = EncoderDecoderCache(use_in_place_cache_layers(DynamicCache(config=self.config)),
                                                   DynamicCache(config=self.config))
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
@@ -454,15 +455,8 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
         past_seen = self_cache.get_seq_length() if self_cache is not None else 0
         DATModel._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
-        positions_given = position_ids is not None
-        if position_ids is None:
-            position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, past_seen,
-                                                          inputs_embeds.device)
-        if position_ids.dim() == 1:
-            position_ids = position_ids[None]
-        self._check_positions(position_ids)
-        # the mask builder looks for packed sequences (positions restarting) only in positions the caller gave
-        mask_positions = position_ids if positions_given else None
+        position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
+                                                            past_seen, inputs_embeds.device)
 
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            self.config.position_embedding_type)

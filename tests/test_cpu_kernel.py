@@ -350,7 +350,7 @@ def run_decode(spec, seed=0, mask=None):
     return got, expected
 
 
-def left_padding(b, kv_len, seed=0):
+def left_padding(b, kv_len):
     """bool [b, kv]: row i drops its first i * 3 senders (True = attend)."""
     return torch.arange(kv_len)[None] >= 3 * torch.arange(b)[:, None]
 
