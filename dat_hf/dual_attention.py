@@ -37,15 +37,38 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate(x, cos, sin):
-    """RoPE: x `[b, h, n, d]`, cos, sin `[b, n, d]` -> x cos + rotate_half(x) sin."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+def rotate(x, cos, sin, heads_dim: int = 1):
+    """RoPE: x `[b, h, n, d]` (or `[b, n, h, d]` with `heads_dim=2`), cos, sin `[b, n, d]` -> x cos + rotate_half(x) sin."""
+    cos, sin = cos.unsqueeze(heads_dim), sin.unsqueeze(heads_dim)
     return (x * cos) + (rotate_half(x) * sin)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
     """q, k `[b, h, n, d]`; cos, sin `[b, n, d]`."""
     return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+# fewer rows than this: the projections run one by one (concatenating their weights would cost more than it saves)
+FUSED_PROJECTION_MIN_ROWS = 64
+
+
+def _is_plain_linear(module) -> bool:
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def fused_linear(linears, x):
+    """`cat([linear(x) for linear in linears], -1)` as one matrix product over the concatenated weights (one GEMM
+    forward, one per gradient backward, instead of one per projection). Wrapped projections (PEFT adapters, hooks such
+    as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one.
+    x `[..., d]` -> `[..., sum of out_features]`."""
+    if x.shape[-1] and x.numel() // x.shape[-1] >= FUSED_PROJECTION_MIN_ROWS and all(map(_is_plain_linear, linears)):
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+                              for linear in linears])
+        return nn.functional.linear(x, weight, bias)
+    return torch.cat([linear(x) for linear in linears], dim=-1)
 
 
 class DATRotaryEmbedding(nn.Module):
@@ -129,9 +152,8 @@ def _bool_mask_or_none(mask: AttentionMask) -> bool:
 class SensoryAttention(nn.Module):
     """Standard multi-head self-attention (GQA, RoPE) over the Transformers attention interface.
 
-    `project` gives q `[b, h, n, d_h]`, k, v `[b, h_kv, n, d_h]` (q, k before RoPE, which `DualAttention` applies to
-    every head at once); `forward` attends and projects:
-    -> output `[b, n, h * d_h]`, weights `[b, h, q, kv]` or None.
+    `forward` takes q `[b, h, q, d_h]`, k, v `[b, h_kv, kv, d_h]` (projected, with RoPE, by `DualAttention`), attends
+    and projects: -> output `[b, q, h * d_h]`, weights `[b, h, q, kv]` or None.
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -154,16 +176,6 @@ class SensoryAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    def project(self, hidden_states, shared_qk=None):
-        b, n, _ = hidden_states.shape
-        if shared_qk is not None:
-            q, k = shared_qk
-        else:
-            q = self.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-            k = self.k_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-        return q, k, v
-
     def forward(self, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
         out, weights = run_attention(self, self.config, query, key, value, mask, output_attentions, **kwargs)
         return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
@@ -172,11 +184,11 @@ class SensoryAttention(nn.Module):
 class RelationalAttention(nn.Module):
     """Relational attention heads: `A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)`.
 
-    `project` gives the attention query `[b, h, n, d_h]`, attention key `[b, h_kv, n, d_h]` (both before RoPE),
-    symbol values (`[b, h_kv, n, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols),
-    relation queries `[b, n, R, d_r]` and relation keys `[b, n, R * d_r]`. `forward` attends and projects: -> output
-    `[b, n, h * d_h]`, attention weights `[b, h, q, kv]` and relations `[b, R, q, kv]` (both only when
-    `output_attentions`).
+    `forward` takes the attention query `[b, h, q, d_h]` and key `[b, h_kv, kv, d_h]` (RoPE applied), symbol values
+    (`[b, h_kv, kv, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols; see
+    `project_symbols`), relation queries `[b, q, R, d_r]` and relation keys `[b, kv, R * d_r]` (`DualAttention`
+    projects them all), attends and projects: -> output `[b, q, h * d_h]`, attention weights `[b, h, q, kv]` and
+    relations `[b, R, q, kv]` (both only when `output_attentions`).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -251,18 +263,14 @@ class RelationalAttention(nn.Module):
             and query.shape[2] * key.shape[2] >= TILED_MIN_PAIRS and not torch.compiler.is_compiling()
         )
 
-    def project(self, hidden_states, symbols):
-        b, n, _ = hidden_states.shape
-        q = self.q_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-        k = self.k_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-        q_rel = self.q_rel_proj(hidden_states)
-        k_rel = q_rel if self.symmetric_relations else self.k_rel_proj(hidden_states)
-        if self.relative_symbols:  # the [2K + 1, d] table -> [2K + 1, h_kv, d_h]
-            symbol_values = self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
-        else:
-            symbol_values = self.symbol_proj(symbols).view(symbols.shape[0], n, -1, self.head_dim).transpose(1, 2)
-            symbol_values = symbol_values.expand(b, -1, -1, -1)
-        return q, k, symbol_values, q_rel.view(b, n, self.num_relations, self.relation_dim), k_rel
+    def project_symbols(self, symbols, batch_size):
+        """Symbol values `s_j W_s`: symbols `[b|1, n, d]` -> `[b, h_kv, n, d_h]`; for position-relative symbols the
+        `[2K + 1, d]` table -> `[2K + 1, h_kv, d_h]`."""
+        symbol_values = self.symbol_proj(symbols)
+        if self.relative_symbols:
+            return symbol_values.view(symbols.shape[0], -1, self.head_dim)
+        n = symbols.shape[1]
+        return symbol_values.view(symbols.shape[0], n, -1, self.head_dim).transpose(1, 2).expand(batch_size, -1, -1, -1)
 
     def forward(self, query, key, symbol_values, q_rel, k_rel, mask: AttentionMask, output_attentions=False,
                 relative_position_index=None, **kwargs):
@@ -532,7 +540,9 @@ def tiled_relational_attention(query, key, symbol_values, q_rel, k_rel, mask: At
 class DualAttention(nn.Module):
     """Sensory heads and relational heads side by side; their outputs are concatenated (as in the reference).
 
-    One cache layer per DAT layer holds both: keys `[b, h_kv_s + h_kv_r, n, d_h]` and one flat value slot
+    Every projection of the layer input (attention queries and keys of both head types, sensory values, relation
+    queries and keys) is one matrix product (`fused_linear`), and RoPE rotates all queries and keys at once.
+    One cache layer per DAT layer holds both head types: keys `[b, h_kv_s + h_kv_r, n, d_h]` and one flat value slot
     `[b, 1, n, h_kv_s * d_h + h_kv_r * d_h + R * d_r]` (sensory values | symbol values | relation keys), split
     after `Cache.update`.
     """
@@ -556,6 +566,20 @@ class DualAttention(nn.Module):
             ([rel.num_kv_heads] if not rel.relative_symbols else []) + [0] if rel is not None else [])
         self._value_widths = [heads * self.head_dim if heads else rel.num_relations * rel.relation_dim
                               for heads in self._value_heads]
+        # the projections of the layer input, in the order of the fused output: keys [relational | sensory], queries
+        # [relational | sensory], sensory values, relation queries, relation keys; as (owner, attribute) pairs, looked
+        # up per call (adapters such as PEFT's replace the modules)
+        names = {"relational": ("k_attn_proj", "q_attn_proj"), "sensory": ("k_proj", "q_proj")}
+        owners = ["relational" if m is rel else "sensory" for m in own_qk]
+        self._input_projections = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
+        self._input_widths = [(sum(self._key_heads) + sum(self._query_heads)) * self.head_dim]
+        if sen is not None:
+            self._input_projections.append(("sensory", "v_proj"))
+            self._input_widths.append(sen.num_kv_heads * self.head_dim)
+        if rel is not None:
+            relation_projections = ["q_rel_proj"] + ([] if rel.symmetric_relations else ["k_rel_proj"])
+            self._input_projections += [("relational", name) for name in relation_projections]
+            self._input_widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
                 past_key_values=None, output_attentions=False, relative_position_index=None, **kwargs):
@@ -563,48 +587,42 @@ class DualAttention(nn.Module):
         position-relative symbol table per (receiver, sender) pair (see `RelationalAttention.forward`)."""
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
-        keys, queries, values = [], [], []
-        if relational is not None:
-            q_r, k_r, sv, q_rel, k_rel = relational.project(hidden_states, symbols)
-            keys.append(k_r)
-            queries.append(q_r)
+        linears = [getattr(relational if owner == "relational" else sensory, name)
+                   for owner, name in self._input_projections]
+        parts = list(fused_linear(linears, hidden_states).split(self._input_widths, dim=-1))
+        # [keys | queries] of every head, `[b, n, heads, d_h]`: RoPE once for all, then `[b, heads, n, d_h]` views
+        keys_queries = parts.pop(0).view(b, n, -1, self.head_dim)
+        if position_embeddings is not None:
+            keys_queries = rotate(keys_queries, *position_embeddings, heads_dim=2)
+        keys_queries = keys_queries.transpose(1, 2)
+        key_cache = keys_queries[:, : self._key_heads_total]  # what the cache stores
+        values = []
         if sensory is not None:
-            q_s, k_s, v_s = sensory.project(hidden_states, shared_qk=(q_r, k_r) if self.share_qk else None)
-            if not self.share_qk:
-                keys.append(k_s)
-                queries.append(q_s)
-            values.append(v_s)
+            values.append(parts.pop(0).view(b, n, -1, self.head_dim).transpose(1, 2))
         if relational is not None:
+            q_rel = parts[0].view(b, n, relational.num_relations, relational.relation_dim)
+            k_rel = parts[-1]  # [b, n, R * d_r] (the relation queries themselves for symmetric relations)
+            sv = relational.project_symbols(symbols, b)
             if not relational.relative_symbols:
                 values.append(sv)
             values.append(k_rel[:, None])
-
-        # RoPE once for every head: [keys | queries] along the head axis; the keys' block is what the cache stores
-        key_cache = None
-        if position_embeddings is not None:
-            rotated = rotate(torch.cat(keys + queries, dim=1), *position_embeddings)
-            key_cache = rotated[:, : self._key_heads_total]
-            keys = key_cache.split(self._key_heads, dim=1)
-            queries = rotated[:, self._key_heads_total:].split(self._query_heads, dim=1)
         if past_key_values is not None:
-            if key_cache is None:
-                key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
             flat_values = [v.transpose(1, 2).reshape(b, 1, n, -1) for v in values]
             value_cache = torch.cat(flat_values, dim=-1) if len(flat_values) > 1 else flat_values[0]
             key_cache, value_cache = past_key_values.update(key_cache, value_cache, self.layer_idx)
-            keys = key_cache.split(self._key_heads, dim=1)
             values = self._split_values(value_cache)  # [sensory values | symbol values | relation keys]
             if relational is not None:
                 sv = sv if relational.relative_symbols else values[-2]
                 k_rel = values[-1]
+        keys = key_cache.split(self._key_heads, dim=1)
+        queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)
         # with shared attention parameters the sensory heads use the relational heads' queries and keys
         q_r, k_r = queries[0], keys[0]
         q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
-        v_s = values[0] if sensory is not None else None
 
         outputs = []
         if sensory is not None:
-            out_s, _ = sensory(q_s, k_s, v_s, sensory_mask, output_attentions=output_attentions, **kwargs)
+            out_s, _ = sensory(q_s, k_s, values[0], sensory_mask, output_attentions=output_attentions, **kwargs)
             outputs.append(out_s)
         if relational is not None:
             out_r, _, _ = relational(q_r, k_r, sv, q_rel, k_rel, relational_mask, output_attentions=output_attentions,

@@ -8,8 +8,9 @@ Transformers' LlamaForCausalLM of the same width, depth, total heads and FFN.
 
 Every measurement runs in its own process (peak memory = that process's max RSS; "net" = peak minus the RSS once the
 model and optimizer are built, i.e. what training adds); models alternate within each
-repetition, so machine drift hits all alike. Prints a table of medians and ratios, writes JSON (and PNG scaling
-curves for `train` when matplotlib is available).
+repetition, so machine drift hits all alike, and each ratio is taken per repetition (the two workers ran back to back)
+and summarized by its median, with the min-max spread beside it. Prints a table of medians and ratios, writes JSON
+(every worker's figures too) and PNG scaling curves for `train` when matplotlib is available.
 """
 
 import argparse
@@ -178,34 +179,55 @@ def summarize(results, metric):
     return statistics.median(values) if values else None
 
 
+def pair_ratios(runs, impl, other, metric):
+    """`metric` of `impl` over `other`, one ratio per repetition (the two ran back to back, so a drift of the machine's
+    speed between repetitions cancels), for the repetitions where both ran: {"median", "min", "max", "pairs"}."""
+    pairs = [a[metric] / b[metric] for a, b in zip(runs.get(impl, []), runs.get(other, []))
+             if a.get(metric) and b.get(metric)]
+    if not pairs:
+        return None
+    return {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs), "pairs": pairs}
+
+
+def ratio_cell(ratio, spread=False):
+    if ratio is None:
+        return "-"
+    return f"{ratio['median']:.2f}" + (f" [{ratio['min']:.2f}-{ratio['max']:.2f}]" if spread else "")
+
+
 def main_train(args):
     table = {}
     for seq in args.seq:
         runs = {impl: [] for impl in args.impls}
         for _ in range(args.repeats):
             for impl in args.impls:
-                if impl == "reference" and seq > args.reference_max_seq:
-                    continue
-                runs[impl].append(run_worker("train", impl, args, seq=seq, max_len=max(seq, args.max_len)))
+                skip = impl == "reference" and seq > args.reference_max_seq
+                runs[impl].append({} if skip else run_worker("train", impl, args, seq=seq,
+                                                             max_len=max(seq, args.max_len)))
         table[seq] = {impl: {"time_s": summarize(r, "time_s"), "peak_gib": summarize(r, "peak_gib"),
-                             "net_gib": summarize(r, "net_gib"), "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+                             "net_gib": summarize(r, "net_gib"), "runs": r,
+                             "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+        for impl, row in table[seq].items():
+            row["ratios"] = {f"{metric}/{other}": pair_ratios(runs, impl, other, metric)
+                             for metric in ("time_s", "peak_gib", "net_gib") for other in ("reference", "llama")
+                             if other != impl}
     print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={args.hidden}, {args.layers} layers, "
           f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads"
           + (", torch.compile" if args.compile else "") + f", {args.device} {args.dtype}"
           + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
-    print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'net GiB':>8} {'t/ref':>7} {'t/llama':>8} "
+    print("times and memory: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
+    print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'net GiB':>8} {'t/ref':>17} {'t/llama':>17} "
           f"{'m/ref':>7} {'m/llama':>8} {'net/ref':>8} {'net/llama':>9}")
     for seq, row in table.items():
         for impl, r in row.items():
-            def ratio(key, other):
-                base = row.get(other, {}).get(key)
-                return f"{r[key] / base:.2f}" if r[key] and base else "-"
+            def ratio(key, other, spread=False):
+                return ratio_cell(r["ratios"].get(f"{key}/{other}"), spread)
             t = f"{r['time_s']:.3f}" if r["time_s"] else "-"
             m = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "-"
             net = f"{r['net_gib']:.2f}" if r["net_gib"] else "-"
-            print(f"{seq:>6} {impl:>10} {t:>9} {m:>9} {net:>8} {ratio('time_s', 'reference'):>7} "
-                  f"{ratio('time_s', 'llama'):>8} {ratio('peak_gib', 'reference'):>7} {ratio('peak_gib', 'llama'):>8} "
-                  f"{ratio('net_gib', 'reference'):>8} {ratio('net_gib', 'llama'):>9}")
+            print(f"{seq:>6} {impl:>10} {t:>9} {m:>9} {net:>8} {ratio('time_s', 'reference', True):>17} "
+                  f"{ratio('time_s', 'llama', True):>17} {ratio('peak_gib', 'reference'):>7} "
+                  f"{ratio('peak_gib', 'llama'):>8} {ratio('net_gib', 'reference'):>8} {ratio('net_gib', 'llama'):>9}")
     return table
 
 
@@ -218,22 +240,26 @@ def main_generate(args):
                 runs[impl].append(run_worker("generate", impl, args, prompt=prompt,
                                              max_len=max(args.max_len, prompt + args.new_tokens)))
         table[prompt] = {impl: {key: summarize(r, key) for key in ("decode_ms_per_token", "ms_per_token", "prefill_s")}
-                         | {"errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+                         | {"runs": r, "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
+        for impl, row in table[prompt].items():
+            row["ratios"] = {f"decode_ms_per_token/{other}": pair_ratios(runs, impl, other, "decode_ms_per_token")
+                             for other in IMPLS if other != impl}
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
           f"{args.dtype}); decode = ms per "
           "token after the prompt, with prompt = total time / new tokens")
-    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10} {'decode/llama':>13} "
+    print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
+    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10} {'decode/llama':>17} "
           f"{'ref/dat_hf decode':>18}")
     for prompt, row in table.items():
         for impl, r in row.items():
             def cell(value, fmt):
                 return format(value, fmt) if value else "-"
-            llama, ours, ref = (row.get(i, {}).get("decode_ms_per_token") for i in ("llama", "dat_hf", "reference"))
-            mine = r["decode_ms_per_token"]
-            vs_llama = f"{mine / llama:.2f}" if mine and llama else "-"
-            ref_over_ours = f"{ref / ours:.1f}" if impl == "dat_hf" and ours and ref else "-"
-            print(f"{prompt:>7} {impl:>10} {cell(mine, '.2f'):>10} {cell(r['ms_per_token'], '.2f'):>12} "
-                  f"{cell(r['prefill_s'], '.3f'):>10} {vs_llama:>13} {ref_over_ours:>18}")
+            vs_llama = ratio_cell(r["ratios"].get("decode_ms_per_token/llama"), spread=True)
+            ref_over_ours = row.get("reference", {}).get("ratios", {}).get("decode_ms_per_token/dat_hf")
+            ref_cell = f"{ref_over_ours['median']:.1f}" if impl == "dat_hf" and ref_over_ours else "-"
+            print(f"{prompt:>7} {impl:>10} {cell(r['decode_ms_per_token'], '.2f'):>10} "
+                  f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10} {vs_llama:>17} "
+                  f"{ref_cell:>18}")
     return table
 
 

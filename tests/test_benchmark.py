@@ -21,7 +21,23 @@ def test_benchmark_train_smoke(tmp_path):
     for impl in ("dat_hf", "reference", "llama"):
         assert results[impl]["errors"] == [], results[impl]
         assert results[impl]["time_s"] > 0 and results[impl]["peak_gib"] > 0
+    ratio = results["dat_hf"]["ratios"]["time_s/llama"]
+    assert ratio["pairs"] == [results["dat_hf"]["runs"][0]["time_s"] / results["llama"]["runs"][0]["time_s"]]
     assert (tmp_path / "train_scaling.png").stat().st_size > 0
+
+
+def test_pair_ratios_pair_repetitions_and_skip_missing_runs():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from benchmark import pair_ratios, ratio_cell
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    runs = {"dat_hf": [{"t": 3.0}, {"t": 2.0}, {"t": 5.0}, {"t": 4.0}],
+            "llama": [{"t": 2.0}, {"t": 2.0}, {}, {"error": "failed"}]}
+    ratio = pair_ratios(runs, "dat_hf", "llama", "t")
+    assert ratio == {"median": 1.25, "min": 1.0, "max": 1.5, "pairs": [1.5, 1.0]}
+    assert ratio_cell(ratio, spread=True) == "1.25 [1.00-1.50]" and ratio_cell(None) == "-"
+    assert pair_ratios(runs, "dat_hf", "reference", "t") is None
 
 
 def test_benchmark_generate_smoke(tmp_path):

@@ -299,7 +299,11 @@ def test_2d_relative_symbols_match_a_slow_loop(kv_heads):
     table = torch.randn(3 * 3 + 1, config.hidden_size)
     x = torch.randn(2, rows * cols + 1, config.hidden_size)
     with torch.no_grad():
-        q, k, sv, q_rel, k_rel = module.project(x, table)
+        b, n, hd = x.shape[0], x.shape[1], module.head_dim
+        q = module.q_attn_proj(x).view(b, n, -1, hd).transpose(1, 2)
+        k = module.k_attn_proj(x).view(b, n, -1, hd).transpose(1, 2)
+        q_rel = module.q_rel_proj(x).view(b, n, module.num_relations, module.relation_dim)
+        k_rel, sv = module.k_rel_proj(x), module.project_symbols(table, b)
         mask = AttentionMask(None, None, False)
         fast, _, _ = module(q, k, sv, q_rel, k_rel, mask, relative_position_index=index)
         slow = _slow_relational_attention(module, x, table, index)

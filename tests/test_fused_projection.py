@@ -1,0 +1,96 @@
+"""The fused input projection: one matrix product for every projection of a DAT layer's input gives what the
+projections give one by one (values and gradients), and wrapped projections (hooks, adapters) run one by one."""
+
+import pytest
+import torch
+from conftest import tiny_config
+from torch import nn
+
+import dat_hf.dual_attention as da
+from dat_hf import DATForCausalLM
+from dat_hf.dual_attention import fused_linear
+
+CONFIGS = {
+    "default": {},
+    "shared-qk": dict(share_attention_params=True),
+    "symmetric-relations": dict(symmetric_relations=True),
+    "kv-bias-gqa": dict(attention_bias=True, num_sensory_key_value_heads=1, num_relational_key_value_heads=1),
+    "relational-only": dict(num_sensory_heads=0, num_relational_heads=4),
+    "sensory-only": dict(num_sensory_heads=4, num_relational_heads=0),
+    "relative-symbols-no-rope": dict(symbol_retrieval="position_relative", position_embedding_type="learned"),
+    "relation-activation-eager": dict(relation_activation="tanh", attn_implementation="eager"),
+}
+
+
+@pytest.mark.parametrize("biases", [(False, False), (True, False), (True, True)])
+def test_fused_linear_matches_the_linears_one_by_one(biases):
+    torch.manual_seed(0)
+    linears = [nn.Linear(8, out, bias=bias).double() for out, bias in zip((5, 3), biases)]
+    x = torch.randn(2, 40, 8, dtype=torch.float64, requires_grad=True)  # 80 rows: fused
+    fused = fused_linear(linears, x)
+    grad = torch.randn_like(fused)
+    got = torch.autograd.grad(fused, [x, *[p for m in linears for p in m.parameters()]], grad)
+    separate = torch.cat([m(x) for m in linears], dim=-1)
+    expected = torch.autograd.grad(separate, [x, *[p for m in linears for p in m.parameters()]], grad)
+    assert fused.shape == (2, 40, 8) and (fused - separate).abs().max() < 1e-12
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and (g - e).abs().max() < 1e-12
+
+
+def test_fused_linear_runs_wrapped_and_short_inputs_one_by_one():
+    linears = [nn.Linear(8, 4), nn.Linear(8, 4)]
+    calls = []
+    linears[1].register_forward_hook(lambda module, args, out: calls.append(args[0].shape) or out * 0)
+    x = torch.randn(100, 8)
+    out = fused_linear(linears, x)
+    assert calls == [(100, 8)] and out[:, 4:].abs().max() == 0  # the hook ran and its output was used
+    linears = [nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)]
+    weight_cat = []
+    original_cat = torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):
+        weight_cat.append(any(t is linears[0].weight for t in tensors))
+        return original_cat(tensors, *args, **kwargs)
+
+    torch.cat = counting_cat
+    try:
+        fused_linear(linears, torch.randn(da.FUSED_PROJECTION_MIN_ROWS - 1, 8))  # short: outputs concatenated
+        fused_linear(linears, torch.randn(da.FUSED_PROJECTION_MIN_ROWS, 8))  # long enough: weights concatenated
+    finally:
+        torch.cat = original_cat
+    assert weight_cat == [False, True]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_fused_equals_one_by_one(name, monkeypatch):
+    """Logits and every parameter gradient are the same whether a layer's projections run fused or one by one."""
+    overrides = dict(CONFIGS[name])
+    attn = overrides.pop("attn_implementation", "sdpa")
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(initializer_range=0.2, **overrides, attn_implementation=attn)).double()
+    input_ids = torch.randint(0, 97, (2, 40))  # 80 rows: above FUSED_PROJECTION_MIN_ROWS
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids).logits
+        logits.pow(2).mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    linear_calls = []
+    hook = nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: linear_calls.append(module) if isinstance(module, nn.Linear) else None)
+    try:
+        fused_logits, fused_grads = run()
+        fused_calls = len(linear_calls)
+        monkeypatch.setattr(da, "FUSED_PROJECTION_MIN_ROWS", 10**9)
+        linear_calls.clear()
+        logits, grads = run()
+    finally:
+        hook.remove()
+    projections = len(model.model.layers[0].dual_attn._input_projections)
+    layers = model.config.num_hidden_layers
+    assert len(linear_calls) - fused_calls == layers * projections  # the one-by-one run called every projection
+    assert (fused_logits - logits).abs().max() < 1e-10
+    assert fused_grads.keys() == grads.keys()
+    for key in grads:
+        assert (fused_grads[key] - grads[key]).abs().max() < 1e-10, key
