@@ -38,7 +38,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, use_in_place_cache_layers
+from .dual_attention import (DualAttention, RelationalAttention, SensoryAttention, fused_linear,
+                             use_in_place_cache_layers)
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
     DATMLP,
@@ -192,29 +193,41 @@ class DATCrossAttention(nn.Module):
         self.symmetric_relations = config.symmetric_relations
 
     def _project_queries(self, hidden_states):
+        """Target queries (one matrix product): sensory `[b, h_s, n, d_h]`, relational `[b, h_r, n, d_h]`, relation
+        queries `[b, n, R, d_r]` (None for a head type the layer lacks)."""
         b, n, _ = hidden_states.shape
-        q_s = q_r = q_rel = None
-        if self.sensory is not None:
-            q_s = self.sensory.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-        if self.relational is not None:
-            rel = self.relational
-            q_r = rel.q_attn_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
-            q_rel = rel.q_rel_proj(hidden_states).view(b, n, rel.num_relations, rel.relation_dim)
+        sen, rel, hd = self.sensory, self.relational, self.head_dim
+        linears = ([sen.q_proj] if sen is not None else []) + ([rel.q_attn_proj, rel.q_rel_proj] if rel is not None else [])
+        widths = ([sen.num_heads * hd] if sen is not None else []) + (
+            [rel.num_heads * hd, rel.num_relations * rel.relation_dim] if rel is not None else [])
+        parts = list(fused_linear(linears, hidden_states).split(widths, dim=-1))
+        q_s = parts.pop(0).view(b, n, -1, hd).transpose(1, 2) if sen is not None else None
+        q_r = q_rel = None
+        if rel is not None:
+            q_r = parts[0].view(b, n, -1, hd).transpose(1, 2)
+            q_rel = parts[1].view(b, n, rel.num_relations, rel.relation_dim)
         return q_s, q_r, q_rel
 
     def _project_source(self, encoder_hidden_states, source_symbols):
-        """Keys and values of the source: lists of keys `[b, h_kv, m, d_h]` and flat values `[b, m, width]`."""
+        """Keys and values of the source (one matrix product, plus the symbol values): lists of keys
+        `[b, h_kv, m, d_h]` and flat values `[b, m, width]`."""
         b, m, _ = encoder_hidden_states.shape
+        sen, rel, hd = self.sensory, self.relational, self.head_dim
+        linears, widths = [], []
+        if sen is not None:
+            linears += [sen.k_proj, sen.v_proj]
+            widths += [sen.num_kv_heads * hd] * 2
+        if rel is not None:
+            linears += [rel.k_attn_proj, rel.q_rel_proj if self.symmetric_relations else rel.k_rel_proj]
+            widths += [rel.num_kv_heads * hd, rel.num_relations * rel.relation_dim]
+        parts = list(fused_linear(linears, encoder_hidden_states).split(widths, dim=-1))
         keys, values = [], []
-        if self.sensory is not None:
-            keys.append(self.sensory.k_proj(encoder_hidden_states).view(b, m, -1, self.head_dim).transpose(1, 2))
-            values.append(self.sensory.v_proj(encoder_hidden_states))
-        if self.relational is not None:
-            rel = self.relational
-            keys.append(rel.k_attn_proj(encoder_hidden_states).view(b, m, -1, self.head_dim).transpose(1, 2))
-            values.append(rel.symbol_proj(source_symbols).expand(b, m, -1))
-            k_rel_proj = rel.q_rel_proj if self.symmetric_relations else rel.k_rel_proj
-            values.append(k_rel_proj(encoder_hidden_states))
+        if sen is not None:
+            keys.append(parts.pop(0).view(b, m, -1, hd).transpose(1, 2))
+            values.append(parts.pop(0))
+        if rel is not None:
+            keys.append(parts[0].view(b, m, -1, hd).transpose(1, 2))
+            values += [rel.symbol_proj(source_symbols).expand(b, m, -1), parts[1]]
         return keys, values
 
     def _value_widths(self):

@@ -61,18 +61,13 @@ def test_fused_linear_runs_wrapped_and_short_inputs_one_by_one():
     assert weight_cat == [False, True]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_model_fused_equals_one_by_one(name, monkeypatch):
-    """Logits and every parameter gradient are the same whether a layer's projections run fused or one by one."""
-    overrides = dict(CONFIGS[name])
-    attn = overrides.pop("attn_implementation", "sdpa")
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(initializer_range=0.2, **overrides, attn_implementation=attn)).double()
-    input_ids = torch.randint(0, 97, (2, 40))  # 80 rows: above FUSED_PROJECTION_MIN_ROWS
+def assert_fused_equals_one_by_one(model, inputs, monkeypatch):
+    """Logits and every parameter gradient agree whether projections run fused or one by one (counted with a hook:
+    the one-by-one run calls more linears)."""
 
     def run():
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids).logits
+        logits = model(**inputs).logits
         logits.pow(2).mean().backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -87,10 +82,37 @@ def test_model_fused_equals_one_by_one(name, monkeypatch):
         logits, grads = run()
     finally:
         hook.remove()
-    projections = len(model.model.layers[0].dual_attn._input_projections)
-    layers = model.config.num_hidden_layers
-    assert len(linear_calls) - fused_calls == layers * projections  # the one-by-one run called every projection
     assert (fused_logits - logits).abs().max() < 1e-10
     assert fused_grads.keys() == grads.keys()
     for key in grads:
         assert (fused_grads[key] - grads[key]).abs().max() < 1e-10, key
+    return len(linear_calls) - fused_calls
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_fused_equals_one_by_one(name, monkeypatch):
+    overrides = dict(CONFIGS[name])
+    attn = overrides.pop("attn_implementation", "sdpa")
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(initializer_range=0.2, **overrides, attn_implementation=attn)).double()
+    input_ids = torch.randint(0, 97, (2, 40))  # 80 rows: above FUSED_PROJECTION_MIN_ROWS
+    extra_calls = assert_fused_equals_one_by_one(model, dict(input_ids=input_ids), monkeypatch)
+    projections = len(model.model.layers[0].dual_attn._input_projections)
+    assert extra_calls == model.config.num_hidden_layers * projections  # the fused product calls no module
+
+
+@pytest.mark.parametrize("name", ["default", "dual-cross", "only-cross-relational", "unshared-untied-gqa"])
+def test_seq2seq_fused_equals_one_by_one(name, monkeypatch):
+    """Self-attention and cross-attention projections (target queries, source keys and values) of DATForSeq2SeqLM."""
+    from test_seq2seq import CONFIGS as SEQ2SEQ_CONFIGS
+    from test_seq2seq import padded_batch, seq2seq_config
+
+    from dat_hf import DATForSeq2SeqLM
+
+    torch.manual_seed(0)
+    config = seq2seq_config(**SEQ2SEQ_CONFIGS[name], encoder_max_position_embeddings=40, max_position_embeddings=40)
+    model = DATForSeq2SeqLM(config).double()
+    source, source_mask = padded_batch(config.encoder_vocab_size or config.vocab_size, lengths=(40, 33))
+    target, _ = padded_batch(config.vocab_size, lengths=(36, 36), seed=1)
+    inputs = dict(input_ids=source, attention_mask=source_mask, decoder_input_ids=target)
+    assert assert_fused_equals_one_by_one(model, inputs, monkeypatch) > 0
