@@ -20,7 +20,7 @@ from functools import wraps
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2FN, SiLUActivation
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -44,6 +44,7 @@ from .dual_attention import (
     use_in_place_cache_layers,
 )
 from .masking_dat import build_masks, check_graph_adjacency
+from .relational_kernel_cpu import cpu_kernel_ready, cpu_swiglu, cpu_swiglu_backward, load_cpu_kernel
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
@@ -80,10 +81,22 @@ def make_norm(config) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
+def _fused_swiglu(act_fn, gate, up) -> bool:
+    """Whether `silu(gate) * up` can take the compiled one-pass op: SwiGLU, float32 on CPU, eager, and no graph wanted
+    through it (the op has no autograd formula; `ActivationDownProjection` calls its backward itself)."""
+    return (
+        up is not None and isinstance(act_fn, SiLUActivation) and gate.dtype == torch.float32
+        and up.dtype == torch.float32 and gate.device.type == "cpu" and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))
+        and (cpu_kernel_ready() or load_cpu_kernel())
+    )
+
+
 class ActivationDownProjection(torch.autograd.Function):
     """`down(act(gate) * up)` (or `down(act(gate))` when `up` is None) that keeps only `gate` and `up` for backward
     and recomputes the `[b, n, f]` activation there: two fewer f-wide tensors per layer than autograd keeps, at the
-    cost of one elementwise pass. gate, up `[..., f]`, weight `[d, f]`, bias `[d]` or None -> `[..., d]`."""
+    cost of one elementwise pass. For SwiGLU in float32 on CPU the activation and both its gradients are one pass each
+    (compiled ops). gate, up `[..., f]`, weight `[d, f]`, bias `[d]` or None -> `[..., d]`."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, act_fn):
@@ -95,6 +108,8 @@ class ActivationDownProjection(torch.autograd.Function):
     @staticmethod
     def _hidden(act_fn, gate, up):
         """`act(gate) * up`, or `act(gate)` when `up` is None (also the plain path of `DATMLP`)."""
+        if _fused_swiglu(act_fn, gate, up):
+            return cpu_swiglu(gate, up)
         hidden = act_fn(gate)
         return hidden if up is None else hidden * up
 
@@ -102,18 +117,25 @@ class ActivationDownProjection(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
-        with torch.enable_grad():  # recompute the activation, with a graph back to gate and up
-            gate = gate.detach().requires_grad_()
-            up = None if up is None else up.detach().requires_grad_()
-            hidden = ActivationDownProjection._hidden(ctx.act_fn, gate, up)
+        fused = _fused_swiglu(ctx.act_fn, gate, up)  # (backward runs without grad mode)
+        if fused:
+            hidden = cpu_swiglu(gate, up)
+        else:
+            with torch.enable_grad():  # recompute the activation, with a graph back to gate and up
+                gate = gate.detach().requires_grad_()
+                up = None if up is None else up.detach().requires_grad_()
+                hidden = ActivationDownProjection._hidden(ctx.act_fn, gate, up)
         # under autocast the forward ran in the autocast dtype, which grad_out carries
         grad_hidden = grad_out @ weight.to(grad_out.dtype)  # [..., f]
         flat_grad = grad_out.flatten(0, -2)
         grad_weight = (flat_grad.t() @ hidden.detach().flatten(0, -2).to(grad_out.dtype)).to(weight.dtype)
         grad_bias = flat_grad.sum(0).to(weight.dtype) if ctx.has_bias else None
-        if up is None:
+        if fused:
+            grad_gate, grad_up = cpu_swiglu_backward(grad_hidden, gate, up)
+        elif up is None:
             return torch.autograd.grad(hidden, gate, grad_hidden)[0], None, grad_weight, grad_bias, None
-        grad_gate, grad_up = torch.autograd.grad(hidden, (gate, up), grad_hidden)
+        else:
+            grad_gate, grad_up = torch.autograd.grad(hidden, (gate, up), grad_hidden)
         return grad_gate, grad_up, grad_weight, grad_bias, None
 
 

@@ -18,7 +18,8 @@ PyTorch paths (the tiled path in `dual_attention.py`), which compute the same th
 The ops are `torch.ops.dat_hf.relational_attention_forward` / `_backward`, with fake (meta) implementations and an
 autograd formula registered, so `torch.compile` graphs call them as opaque kernels, and
 `relational_attention_decode`: one decoding step of the relational heads (one receiver per row, no gradients), with
-`W_r` applied, reading keys and values in place from the packed cache.
+`W_r` applied, reading keys and values in place from the packed cache. The same file has the MLP's SwiGLU,
+`swiglu_forward` (`silu(gate) * up`) and `swiglu_backward` (both gradients), one pass each.
 """
 
 import hashlib
@@ -559,9 +560,61 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
   return out;
 }
 
+// ---- SwiGLU of the MLP: hidden = silu(gate) up, and both gradients, one pass each -----------------------------------
+void check_swiglu(const at::Tensor& a, const at::Tensor& b, const char* what) {
+  TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.is_contiguous() && b.sizes() == a.sizes() &&
+              b.scalar_type() == at::kFloat && b.is_contiguous(), "swiglu: ", what, " must be contiguous float32 CPU "
+              "tensors of one shape, got ", a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
+}
+
+inline Vec sigmoid(const Vec& x) { return Vec(1.f) / (Vec(1.f) + x.neg().exp()); }
+
+at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
+  check_swiglu(gate, up, "gate and up");
+  auto out = at::empty(gate.sizes(), gate.options());
+  const float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, gate.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+      const Vec x = Vec::loadu(g + i);
+      (x * sigmoid(x) * Vec::loadu(u + i)).store(o + i);
+    }
+    for (; i < end; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  });
+  return out;
+}
+
+// d gate = grad up s (1 + gate (1 - s)), d up = grad gate s, with s = sigmoid(gate)
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                   const at::Tensor& up) {
+  check_swiglu(gate, up, "gate and up");
+  check_swiglu(gate, grad, "gate and the gradient");
+  auto grad_gate = at::empty(gate.sizes(), gate.options()), grad_up = at::empty(up.sizes(), up.options());
+  const float *dy = grad.data_ptr<float>(), *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
+  float *dg = grad_gate.data_ptr<float>(), *du = grad_up.data_ptr<float>();
+  at::parallel_for(0, gate.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    const Vec one(1.f);
+    for (; i + kLanes <= end; i += kLanes) {
+      const Vec x = Vec::loadu(g + i), s = sigmoid(x), d = Vec::loadu(dy + i);
+      (d * Vec::loadu(u + i) * s * (one + x * (one - s))).store(dg + i);
+      (d * x * s).store(du + i);
+    }
+    for (; i < end; ++i) {
+      const float s = 1.f / (1.f + std::exp(-g[i]));
+      dg[i] = dy[i] * u[i] * s * (1.f + g[i] * (1.f - s));
+      du[i] = dy[i] * g[i] * s;
+    }
+  });
+  return std::make_tuple(grad_gate, grad_up);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dat_hf, m) {
+  m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor? mask, "
         "bool causal, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
   m.def("relational_attention_backward(Tensor grad_symbols, Tensor grad_relations, Tensor q, Tensor k, Tensor v, "
@@ -575,6 +628,8 @@ TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
   m.impl("relational_attention_forward", &relational_attention_forward);
   m.impl("relational_attention_backward", &relational_attention_backward);
   m.impl("relational_attention_decode", &relational_attention_decode);
+  m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("swiglu_backward", &swiglu_backward);
 }
 '''
 
@@ -647,6 +702,14 @@ def _register_python_side():
                        mask, causal, scaling, relation_scaling):
         return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
 
+    @torch.library.register_fake("dat_hf::swiglu_forward")
+    def _swiglu_fake(gate, up):
+        return gate.new_empty(gate.shape)
+
+    @torch.library.register_fake("dat_hf::swiglu_backward")
+    def _swiglu_backward_fake(grad, gate, up):
+        return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
     @torch.library.register_fake("dat_hf::relational_attention_decode")
     def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, mask, scaling, relation_scaling):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
@@ -710,5 +773,15 @@ def cpu_relational_decode(query, key, values, q_rel, k_rel, relation_proj, scali
         _kernel_mask(mask), scaling, relation_scaling)
 
 
+def cpu_swiglu(gate, up):
+    """`silu(gate) * up` in one pass (no autograd): float32 CPU tensors of one shape -> that shape."""
+    return torch.ops.dat_hf.swiglu_forward(gate.contiguous(), up.contiguous())
+
+
+def cpu_swiglu_backward(grad, gate, up):
+    """Gradients of `silu(gate) * up` w.r.t. gate and up in one pass: float32 CPU tensors of one shape."""
+    return torch.ops.dat_hf.swiglu_backward(grad.contiguous(), gate.contiguous(), up.contiguous())
+
+
 __all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "cpu_relational_decode",
-           "load_cpu_kernel"]
+           "cpu_swiglu", "cpu_swiglu_backward", "load_cpu_kernel"]

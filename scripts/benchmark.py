@@ -4,6 +4,7 @@ Transformers' LlamaForCausalLM of the same width, depth, total heads and FFN.
 
     python scripts/benchmark.py train --seq 256 512 1024 --repeats 3 --out runs/bench
     python scripts/benchmark.py generate --prompt 16 1024 --new-tokens 512 --out runs/bench
+    python scripts/benchmark.py parts --seq 2048 4096 --repeats 5 --out runs/parts
     python scripts/benchmark.py train --device cuda --dtype bf16 --seq 1024 2048 4096 8192 --out runs/gpu
 
 Every measurement runs in its own process (peak memory = that process's max RSS; "net" = peak minus the RSS once the
@@ -263,6 +264,97 @@ def main_generate(args):
     return table
 
 
+def main_parts(args):
+    """Where a train step's time goes: one layer's parts, forward and backward (sum of outputs as the loss), dat_hf
+    beside Llama in one process, parts alternating within each repetition; medians over `--repeats` (after one
+    warm-up repetition)."""
+    import torch
+
+    from dat_hf.masking_dat import AttentionMask
+    from dat_hf.relational_kernel_cpu import cpu_relational_attention, load_cpu_kernel
+
+    torch.set_num_threads(args.threads)
+    kwargs = model_kwargs(args) | {"max_len": max(args.max_len, *args.seq)}
+    dat, llama = build("dat_hf", **kwargs).train(), build("llama", **kwargs).train()
+    dat_layer, llama_layer = dat.model.layers[0], llama.model.layers[0]
+    heads, head_dim = args.sensory_heads + args.relational_heads, args.hidden // (args.sensory_heads + args.relational_heads)
+    relations, relation_dim = dat.config.relations, dat.config.relation_head_dim
+    kernel = load_cpu_kernel()
+    causal = AttentionMask(None, None, True)
+    table = {}
+    for seq in args.seq:
+        b, positions = args.batch, torch.arange(seq)[None]
+        x0 = torch.randn(b, seq, args.hidden)
+        dat_rope, llama_rope = dat.model.rotary_emb(x0, positions), llama.model.rotary_emb(x0, positions)
+        with torch.no_grad():
+            symbols = dat.model.symbol_retrievers(0, x0, positions)
+
+        def dat_layer_fn(x):
+            return dat_layer(x, dat.model.symbol_retrievers(0, x, positions), dat_rope, causal, causal)
+
+        def leaves(*shapes):  # random inputs made once; each call gets fresh leaves of them (no copy)
+            tensors = [torch.randn(*shape) for shape in shapes]
+            return lambda: [t.detach().requires_grad_() for t in tensors]
+
+        def heads_fn(num_heads):
+            inputs = leaves(*[(b, num_heads, seq, head_dim)] * 3)
+            # x only carries a gradient so that every part is timed alike
+            return lambda x: torch.nn.functional.scaled_dot_product_attention(*inputs(), is_causal=True) + 0 * x.sum()
+
+        kernel_inputs = leaves(*[(b, args.relational_heads, seq, head_dim)] * 3, *[(b, seq, relations, relation_dim)] * 2)
+
+        def relational_kernel_fn(x):
+            out, rel = cpu_relational_attention(*kernel_inputs(), True, head_dim**-0.5, relation_dim**-0.5, None)
+            return out.sum() + rel.sum() + 0 * x.sum()
+
+        parts = {
+            "dat_hf layer": dat_layer_fn,
+            "llama layer": lambda x: llama_layer(x, attention_mask=None, position_ids=positions,
+                                                 position_embeddings=llama_rope),
+            "dat_hf symbol retrieval": lambda x: dat.model.symbol_retrievers(0, x, positions),
+            "dat_hf attention": lambda x: dat_layer.dual_attn(dat_layer.input_layernorm(x), symbols, dat_rope, causal,
+                                                              causal),
+            "llama attention": lambda x: llama_layer.self_attn(llama_layer.input_layernorm(x), attention_mask=None,
+                                                               position_embeddings=llama_rope)[0],
+            "dat_hf mlp": lambda x: dat_layer.mlp(dat_layer.post_attention_layernorm(x)),
+            "llama mlp": lambda x: llama_layer.mlp(llama_layer.post_attention_layernorm(x)),
+            f"sdpa {args.sensory_heads} heads": heads_fn(args.sensory_heads),
+            f"sdpa {heads} heads": heads_fn(heads),
+        }
+        if kernel:
+            parts["relational kernel"] = relational_kernel_fn
+        times = {name: [] for name in parts}
+        for rep in range(args.repeats + 1):
+            for name, fn in parts.items():
+                x = x0.clone().requires_grad_()
+                start = time.perf_counter()
+                out = fn(x)
+                middle = time.perf_counter()
+                out.sum().backward()
+                end = time.perf_counter()
+                if rep:  # the first repetition warms up
+                    times[name].append((middle - start, end - middle))
+        table[seq] = {name: {"fwd_ms": 1000 * statistics.median(f for f, _ in t),
+                             "bwd_ms": 1000 * statistics.median(bw for _, bw in t),
+                             "total_ms": 1000 * statistics.median(f + bw for f, bw in t)} for name, t in times.items()}
+    print(f"\none layer's parts, fwd + bwd, batch {args.batch}, d={args.hidden}, {args.sensory_heads}+"
+          f"{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads; medians of {args.repeats}")
+    for seq, row in table.items():
+        print(f"seq {seq}")
+        for name, r in row.items():
+            print(f"  {name:>26} fwd {r['fwd_ms']:8.1f} ms  bwd {r['bwd_ms']:8.1f} ms  total {r['total_ms']:8.1f} ms")
+        pairs = [("dat_hf layer", "llama layer"), ("dat_hf attention", "llama attention"), ("dat_hf mlp", "llama mlp"),
+                 ("relational kernel", f"sdpa {args.sensory_heads} heads")]
+        for a, other in pairs:
+            if a in row and other in row:
+                print(f"  {a} / {other}: {row[a]['total_ms'] / row[other]['total_ms']:.2f}")
+        if "relational kernel" in row:
+            both = row["relational kernel"]["total_ms"] + row[f"sdpa {args.sensory_heads} heads"]["total_ms"]
+            print(f"  (relational kernel + sdpa {args.sensory_heads} heads) / sdpa {heads} heads: "
+                  f"{both / row[f'sdpa {heads} heads']['total_ms']:.2f}")
+    return table
+
+
 def plot(table, path):
     try:
         import matplotlib
@@ -288,7 +380,9 @@ def plot(table, path):
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["train", "generate", "_train", "_generate"])
+    p.add_argument("mode", choices=["train", "generate", "parts", "_train", "_generate"],
+                   help="parts: one layer's components (attention, symbol retrieval, MLP, attention kernels), "
+                        "dat_hf beside Llama in one process")
     p.add_argument("--impl", choices=IMPLS)
     p.add_argument("--impls", nargs="+", default=list(IMPLS))
     p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024])
@@ -325,7 +419,7 @@ def main(argv=None):
     if args.mode == "_generate":
         args.prompt = args.prompt[0]
         return worker_generate(args)
-    table = main_train(args) if args.mode == "train" else main_generate(args)
+    table = {"train": main_train, "generate": main_generate, "parts": main_parts}[args.mode](args)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{args.mode}.json"), "w") as f:

@@ -73,3 +73,15 @@ def test_benchmark_bf16_options_smoke(tmp_path):
     results = json.loads((tmp_path / "gen" / "generate.json").read_text())["results"]["6"]
     for impl in ("dat_hf", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["decode_ms_per_token"] > 0, results[impl]
+
+
+def test_benchmark_parts_smoke(tmp_path):
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "parts", "--seq", "16", "--batch", "1", "--vocab",
+           "64", "--hidden", "32", "--ffn", "64", "--max-len", "64", "--threads", "1", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    parts = json.loads((tmp_path / "parts.json").read_text())["results"]["16"]
+    for name in ("dat_hf layer", "llama layer", "dat_hf attention", "llama attention", "dat_hf symbol retrieval",
+                 "dat_hf mlp", "llama mlp", "sdpa 4 heads", "sdpa 8 heads"):
+        assert parts[name]["fwd_ms"] > 0 and parts[name]["bwd_ms"] > 0, name
+    assert "dat_hf layer / llama layer" in result.stdout

@@ -494,3 +494,45 @@ def test_decode_op_dispatch(loaded, monkeypatch):
         assert not taken(attention_mask=padding)  # eager builds additive float masks: python
         model.set_attn_implementation("sdpa")
     assert not taken()  # gradients enabled (the op has no backward): python
+
+
+# ---- the MLP's SwiGLU ops ----------------------------------------------------------------------------------------
+def test_swiglu_ops_match_autograd_in_fp64(loaded):
+    from dat_hf.relational_kernel_cpu import cpu_swiglu, cpu_swiglu_backward
+
+    g = torch.Generator().manual_seed(0)
+    gate = torch.randn(3, 7, 37, generator=g, dtype=torch.float64) * 4  # 37: a vector-width tail
+    up, grad = torch.randn_like(gate), torch.randn_like(gate)
+    gate_leaf, up_leaf = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    expected = torch.nn.functional.silu(gate_leaf) * up_leaf
+    expected_grads = torch.autograd.grad(expected, (gate_leaf, up_leaf), grad)
+    out = cpu_swiglu(gate.float(), up.float())
+    grads = cpu_swiglu_backward(grad.float(), gate.float(), up.float())
+    assert out.dtype == torch.float32 and out.shape == gate.shape
+    assert (out.double() - expected).abs().max() < 1e-5
+    for got, want in zip(grads, expected_grads):
+        assert (got.double() - want).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="swiglu: gate and up must be contiguous float32"):
+        cpu_swiglu(gate, up)  # float64
+
+
+def test_mlp_training_takes_the_fused_swiglu(loaded, monkeypatch):
+    """A float32 CPU training step of the MLP runs the one-pass SwiGLU forward (also its recomputation) and backward,
+    and its gradients match the PyTorch path."""
+    import dat_hf.modeling_dat as modeling
+
+    torch.manual_seed(0)
+    mlp = modeling.DATMLP(tiny_config(intermediate_size=96)).train()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    grad = torch.randn(2, 5, 32)
+    params = [x, *mlp.parameters()]
+    calls = []
+    for name in ("cpu_swiglu", "cpu_swiglu_backward"):
+        original = getattr(modeling, name)
+        monkeypatch.setattr(modeling, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    got = torch.autograd.grad(mlp(x), params, grad)
+    assert calls == ["cpu_swiglu", "cpu_swiglu", "cpu_swiglu_backward"]  # forward, recomputation, gradients
+    monkeypatch.setattr(modeling, "_fused_swiglu", lambda *args: False)
+    expected = torch.autograd.grad(mlp(x), params, grad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -83,7 +83,8 @@ def test_mlp_recomputes_activation_in_backward(hidden_act, mlp_bias, fewer):
     hook = mlp.down_proj.register_forward_hook(lambda *args: None)  # a wrapped down_proj takes the plain path
     plain = mlp(x)
     expected = torch.autograd.grad(plain, params, grad)
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    # (float32 on CPU: the SwiGLU of the recomputing path is the compiled one-pass op, rounded differently)
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
 
