@@ -61,7 +61,7 @@ def fused_linear(linears, x):
     forward, one per gradient backward, instead of one per projection). Wrapped projections (PEFT adapters, hooks such
     as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one.
     x `[..., d]` -> `[..., sum of out_features]`."""
-    if x.shape[-1] and x.numel() // x.shape[-1] >= FUSED_PROJECTION_MIN_ROWS and all(map(_is_plain_linear, linears)):
+    if x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS and all(map(_is_plain_linear, linears)):
         weight = torch.cat([linear.weight for linear in linears])
         bias = None
         if any(linear.bias is not None for linear in linears):
