@@ -68,7 +68,8 @@ def fused_linear(linears, x):
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
                               for linear in linears])
         return nn.functional.linear(x, weight, bias)
-    return torch.cat([linear(x) for linear in linears], dim=-1)
+    rows = x.reshape(-1, x.shape[-1])  # 2-d: each projection is one BLAS call, no views around it (decoding is op-bound)
+    return torch.cat([linear(rows) for linear in linears], dim=-1).view(*x.shape[:-1], -1)
 
 
 class DATRotaryEmbedding(nn.Module):
@@ -596,24 +597,25 @@ class DualAttention(nn.Module):
             keys_queries = rotate(keys_queries, *position_embeddings, heads_dim=2)
         keys_queries = keys_queries.transpose(1, 2)
         key_cache = keys_queries[:, : self._key_heads_total]  # what the cache stores
-        values = []
+        values = []  # flat `[b, n, width]`: sensory values, symbol values, relation keys (those the layer has)
         if sensory is not None:
-            values.append(parts.pop(0).view(b, n, -1, self.head_dim).transpose(1, 2))
+            values.append(parts.pop(0))
         if relational is not None:
             q_rel = parts[0].view(b, n, relational.num_relations, relational.relation_dim)
-            k_rel = parts[-1]  # [b, n, R * d_r] (the relation queries themselves for symmetric relations)
-            sv = relational.project_symbols(symbols, b)
-            if not relational.relative_symbols:
-                values.append(sv)
-            values.append(k_rel[:, None])
+            # relation keys `[b, n, R * d_r]` (the relation queries themselves for symmetric relations)
+            if relational.relative_symbols:
+                sv = relational.project_symbols(symbols, b)  # the per-offset table, not cached
+            else:
+                values.append(relational.symbol_proj(symbols).expand(b, n, -1))
+            values.append(parts[-1])
         if past_key_values is not None:
-            flat_values = [v.transpose(1, 2).reshape(b, 1, n, -1) for v in values]
-            value_cache = torch.cat(flat_values, dim=-1) if len(flat_values) > 1 else flat_values[0]
-            key_cache, value_cache = past_key_values.update(key_cache, value_cache, self.layer_idx)
-            values = self._split_values(value_cache)  # [sensory values | symbol values | relation keys]
-            if relational is not None:
-                sv = sv if relational.relative_symbols else values[-2]
-                k_rel = values[-1]
+            value_cache = torch.cat(values, dim=-1) if len(values) > 1 else values[0]
+            key_cache, value_cache = past_key_values.update(key_cache, value_cache[:, None], self.layer_idx)
+            values = value_cache[:, 0].split(self._value_widths, dim=-1)
+        values = self._value_views(values)  # [sensory values | symbol values] `[b, h_kv, N, d_h]`, relation keys
+        if relational is not None:
+            sv = sv if relational.relative_symbols else values[-2]
+            k_rel = values[-1]
         keys = key_cache.split(self._key_heads, dim=1)
         queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)
         # with shared attention parameters the sensory heads use the relational heads' queries and keys
@@ -630,12 +632,10 @@ class DualAttention(nn.Module):
             outputs.append(out_r)
         return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 
-    def _split_values(self, value_cache):
-        """Undo the value packing of `forward`: `[b, 1, N, width]` -> [sensory values `[b, h_kv, N, d_h]`, symbol
-        values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]`] (those the layer has, in that order)."""
-        b, _, total, _ = value_cache.shape
-        parts = value_cache[:, 0].split(self._value_widths, dim=-1)
-        return [part.view(b, total, heads, self.head_dim).transpose(1, 2) if heads else part
+    def _value_views(self, parts):
+        """Flat values `[b, N, width]` (cached as one `[b, 1, N, sum of widths]` slot) -> sensory values and symbol
+        values `[b, h_kv, N, d_h]`, relation keys `[b, N, R * d_r]` (those the layer has, in that order)."""
+        return [part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads else part
                 for heads, part in zip(self._value_heads, parts)]
 
 
