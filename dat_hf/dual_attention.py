@@ -26,7 +26,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masking_dat import AttentionMask, additive_mask
-from .relational_kernel_cpu import cpu_kernel_ready, cpu_relational_attention, cpu_relational_decode, load_cpu_kernel
+from .relational_kernel_cpu import (cpu_kernel_ready, cpu_relational_attention, cpu_relational_decode, cpu_rope,
+                                    load_cpu_kernel)
 
 # receivers per block in the blocked path are chosen so one block's scores stay below this many elements
 BLOCK_SCORE_ELEMENTS = 1 << 22
@@ -38,9 +39,41 @@ def rotate_half(x):
 
 
 def rotate(x, cos, sin, heads_dim: int = 1):
-    """RoPE: x `[b, h, n, d]` (or `[b, n, h, d]` with `heads_dim=2`), cos, sin `[b, n, d]` -> x cos + rotate_half(x) sin."""
+    """RoPE: x `[b, h, n, d]` (or `[b, n, h, d]` with `heads_dim=2`), cos, sin `[b, n, d]` -> x cos + rotate_half(x) sin.
+    With `heads_dim=2`, float32 on CPU in eager mode, one compiled pass each way (`RotaryFunction`)."""
+    if heads_dim == 2 and _takes_cpu_rope(x, cos, sin):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return RotaryFunction.apply(x, cos, sin)
+        return cpu_rope(x, cos, sin)
     cos, sin = cos.unsqueeze(heads_dim), sin.unsqueeze(heads_dim)
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def _takes_cpu_rope(x, cos, sin) -> bool:
+    b, n, _, d = x.shape
+    return (
+        x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32 and d % 2 == 0
+        and x.stride(-1) == 1 and cos.shape == sin.shape and cos.dim() == 3
+        and cos.shape[0] in (1, b) and cos.shape[1:] == (n, d)
+        and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+        and not torch.compiler.is_compiling() and (cpu_kernel_ready() or load_cpu_kernel())
+    )
+
+
+class RotaryFunction(torch.autograd.Function):
+    """`rotate(x, cos, sin, heads_dim=2)` through the compiled one-pass op, forward and backward (the gradient is the
+    transposed rotation). x `[b, n, h, d]` (contiguous last dim), cos, sin `[b|1, n, d]` (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return cpu_rope(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return cpu_rope(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, transpose=True), None, None
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):

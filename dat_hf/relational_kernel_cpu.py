@@ -19,7 +19,8 @@ The ops are `torch.ops.dat_hf.relational_attention_forward` / `_backward`, with 
 autograd formula registered, so `torch.compile` graphs call them as opaque kernels, and
 `relational_attention_decode`: one decoding step of the relational heads (one receiver per row, no gradients), with
 `W_r` applied, reading keys and values in place from the packed cache. The same file has the MLP's SwiGLU,
-`swiglu_forward` (`silu(gate) * up`) and `swiglu_backward` (both gradients), one pass each.
+`swiglu_forward` (`silu(gate) * up`) and `swiglu_backward` (both gradients), one pass each, and `rope` (RoPE on the
+fused keys and queries, or its transpose for the gradient), one pass.
 """
 
 import hashlib
@@ -610,10 +611,56 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const
   return std::make_tuple(grad_gate, grad_up);
 }
 
+// ---- RoPE (rotate-half convention) on the fused keys and queries, one pass ---------------------------------------
+// x [b, n, heads, d] (any strides but a contiguous last dim), cos, sin [b or 1, n, d] contiguous -> contiguous out:
+//   forward:            out_1 = x_1 c_1 - x_2 s_1,  out_2 = x_2 c_2 + x_1 s_2   (x cos + rotate_half(x) sin)
+//   transpose (its gradient): out_1 = x_1 c_1 + x_2 s_2,  out_2 = x_2 c_2 - x_1 s_1
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool transpose) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 4 && x.size(3) % 2 == 0 &&
+              x.stride(3) == 1, "rope: x must be float32 [b, n, heads, d] (even d) with a contiguous last dim, got ",
+              x.scalar_type(), " ", x.sizes(), " strides ", x.strides());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->is_contiguous() &&
+                (t->size(0) == 1 || t->size(0) == x.size(0)) && t->size(1) == x.size(1) && t->size(2) == x.size(3),
+                "rope: cos and sin must be contiguous float32 [b or 1, n, d] = [", x.size(0), " or 1, ", x.size(1),
+                ", ", x.size(3), "], got ", t->sizes());
+  const int64_t B = x.size(0), n = x.size(1), H = x.size(2), d = x.size(3), half = d / 2;
+  auto out = at::empty({B, n, H, d}, x.options());
+  const float *X = x.data_ptr<float>(), *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t xb = x.stride(0), xn = x.stride(1), xh = x.stride(2), cb = cos.size(0) > 1 ? n * d : 0;
+  const float sign = transpose ? -1.f : 1.f;
+  at::parallel_for(0, B * n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / n, i = t % n;
+      const float *c = C + b * cb + i * d, *s = S + b * cb + i * d;
+      // forward: rotate_half's sin goes with its own half; transposed: with the other half
+      const float *s1 = transpose ? s + half : s, *s2 = transpose ? s : s + half;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* xr = X + b * xb + i * xn + h * xh;
+        float* o = O + (t * H + h) * d;
+        int64_t j = 0;
+        for (; j + kLanes <= half; j += kLanes) {
+          const Vec x1 = Vec::loadu(xr + j), x2 = Vec::loadu(xr + half + j);
+          (x1 * Vec::loadu(c + j) - Vec(sign) * x2 * Vec::loadu(s1 + j)).store(o + j);
+          (x2 * Vec::loadu(c + half + j) + Vec(sign) * x1 * Vec::loadu(s2 + j)).store(o + half + j);
+        }
+        for (; j < half; ++j) {
+          const float x1 = xr[j], x2 = xr[half + j];
+          o[j] = x1 * c[j] - sign * x2 * s1[j];
+          o[half + j] = x2 * c[half + j] + sign * x1 * s2[j];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dat_hf, m) {
   m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool transpose) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor? mask, "
         "bool causal, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
@@ -629,6 +676,7 @@ TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
   m.impl("relational_attention_backward", &relational_attention_backward);
   m.impl("relational_attention_decode", &relational_attention_decode);
   m.impl("swiglu_forward", &swiglu_forward);
+  m.impl("rope", &rope);
   m.impl("swiglu_backward", &swiglu_backward);
 }
 '''
@@ -710,6 +758,10 @@ def _register_python_side():
     def _swiglu_backward_fake(grad, gate, up):
         return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
+    @torch.library.register_fake("dat_hf::rope")
+    def _rope_fake(x, cos, sin, transpose):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("dat_hf::relational_attention_decode")
     def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, mask, scaling, relation_scaling):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
@@ -783,5 +835,12 @@ def cpu_swiglu_backward(grad, gate, up):
     return torch.ops.dat_hf.swiglu_backward(grad.contiguous(), gate.contiguous(), up.contiguous())
 
 
-__all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "cpu_relational_decode",
+def cpu_rope(x, cos, sin, transpose: bool = False):
+    """RoPE (rotate-half convention) in one pass (no autograd): x `[b, n, heads, d]` (a contiguous last dim, any other
+    strides), cos, sin `[b|1, n, d]`, float32 on CPU -> contiguous `x cos + rotate_half(x) sin`; `transpose=True`
+    applies the transposed rotation (the gradient w.r.t. x)."""
+    return torch.ops.dat_hf.rope(x, cos.contiguous(), sin.contiguous(), transpose)
+
+
+__all__ = ["cpu_kernel_enabled", "cpu_kernel_ready", "cpu_relational_attention", "cpu_relational_decode", "cpu_rope",
            "cpu_swiglu", "cpu_swiglu_backward", "load_cpu_kernel"]

@@ -536,3 +536,50 @@ def test_mlp_training_takes_the_fused_swiglu(loaded, monkeypatch):
     expected = torch.autograd.grad(mlp(x), params, grad)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cos_batch", [1, 3])
+def test_rope_op_matches_pytorch_in_fp64(cos_batch, loaded):
+    """The one-pass RoPE (and its transpose, the gradient) equals `x cos + rotate_half(x) sin` computed in float64, on
+    strided views: the fused projection's output, a transposed gradient."""
+    g = torch.Generator().manual_seed(0)
+    fused = torch.randn(3, 7, 5 * 36 + 11, generator=g, dtype=torch.float64)  # 36: a vector-width tail in each half
+    x = fused[..., : 5 * 36].view(3, 7, 5, 36)
+    cos, sin = (torch.randn(cos_batch, 7, 36, generator=g, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(3, 7, 5, 36, generator=g, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    expected = leaf * cos[:, :, None] + da.rotate_half(leaf) * sin[:, :, None]
+    (expected_grad,) = torch.autograd.grad(expected, leaf, grad)
+    x32 = fused.float()[..., : 5 * 36].view(3, 7, 5, 36)
+    assert not x32.is_contiguous()
+    out = kernel.cpu_rope(x32, cos.float(), sin.float())
+    assert out.is_contiguous() and out.shape == x.shape
+    assert (out.double() - expected).abs().max() < 1e-5
+    # the gradient arrives as a transposed view (`[b, h, n, d]` memory), which the op reads in place
+    grad32 = grad.float().transpose(1, 2).contiguous().transpose(1, 2)
+    assert (kernel.cpu_rope(grad32, cos.float(), sin.float(), transpose=True).double() - expected_grad).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match=r"rope: x must be float32 \[b, n, heads, d\] \(even d\) with a contiguous"):
+        kernel.cpu_rope(x32.transpose(-1, -2), cos.float(), sin.float())  # last dim not contiguous
+    with pytest.raises(RuntimeError, match=r"rope: cos and sin must be contiguous float32 \[b or 1, n, d\]"):
+        kernel.cpu_rope(x32, cos.float()[:, :5], sin.float()[:, :5])
+
+
+def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
+    """A float32 CPU training step of dual attention rotates keys and queries with the compiled op (forward and the
+    transposed rotation backward), and its output and gradients match the PyTorch RoPE."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = DATForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    calls = []
+    original = da.cpu_rope
+    monkeypatch.setattr(da, "cpu_rope", lambda *a, **k: calls.append(k.get("transpose", False)) or original(*a, **k))
+    loss = model(ids, labels=ids).loss
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    assert calls == [False] * config.num_hidden_layers + [True] * config.num_hidden_layers
+    monkeypatch.setattr(da, "_takes_cpu_rope", lambda *args: False)
+    expected_loss = model(ids, labels=ids).loss
+    expected = torch.autograd.grad(expected_loss, list(model.parameters()))
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
