@@ -39,8 +39,8 @@ def rotate_half(x):
 
 
 def rotate(x, cos, sin, heads_dim: int = 1):
-    """RoPE: x `[b, h, n, d]` (or `[b, n, h, d]` with `heads_dim=2`), cos, sin `[b, n, d]` -> x cos + rotate_half(x) sin.
-    With `heads_dim=2`, float32 on CPU in eager mode, one compiled pass each way (`RotaryFunction`)."""
+    """RoPE: x `[b, h, n, d]` (or `[b, n, h, d]` with `heads_dim=2`), cos, sin `[b, n, d]` ->
+    x cos + rotate_half(x) sin. With `heads_dim=2`, float32 on CPU in eager mode: one compiled pass each way."""
     if heads_dim == 2 and _takes_cpu_rope(x, cos, sin):
         if torch.is_grad_enabled() and x.requires_grad:
             return RotaryFunction.apply(x, cos, sin)
@@ -101,7 +101,7 @@ def fused_linear(linears, x):
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
                               for linear in linears])
         return nn.functional.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])  # 2-d: each projection is one BLAS call, no views around it (decoding is op-bound)
+    rows = x.reshape(-1, x.shape[-1])  # 2-d: one BLAS call per projection, no views around it (decoding is op-bound)
     return torch.cat([linear(rows) for linear in linears], dim=-1).view(*x.shape[:-1], -1)
 
 

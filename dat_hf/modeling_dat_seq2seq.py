@@ -197,7 +197,8 @@ class DATCrossAttention(nn.Module):
         queries `[b, n, R, d_r]` (None for a head type the layer lacks)."""
         b, n, _ = hidden_states.shape
         sen, rel, hd = self.sensory, self.relational, self.head_dim
-        linears = ([sen.q_proj] if sen is not None else []) + ([rel.q_attn_proj, rel.q_rel_proj] if rel is not None else [])
+        linears = ([sen.q_proj] if sen is not None else []) + (
+            [rel.q_attn_proj, rel.q_rel_proj] if rel is not None else [])
         widths = ([sen.num_heads * hd] if sen is not None else []) + (
             [rel.num_heads * hd, rel.num_relations * rel.relation_dim] if rel is not None else [])
         parts = list(fused_linear(linears, hidden_states).split(widths, dim=-1))

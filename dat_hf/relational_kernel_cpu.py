@@ -630,6 +630,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   float* O = out.data_ptr<float>();
   const int64_t xb = x.stride(0), xn = x.stride(1), xh = x.stride(2), cb = cos.size(0) > 1 ? n * d : 0;
   const float sign = transpose ? -1.f : 1.f;
+  const Vec vsign(sign);
   at::parallel_for(0, B * n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / n, i = t % n;
@@ -642,8 +643,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
         int64_t j = 0;
         for (; j + kLanes <= half; j += kLanes) {
           const Vec x1 = Vec::loadu(xr + j), x2 = Vec::loadu(xr + half + j);
-          (x1 * Vec::loadu(c + j) - Vec(sign) * x2 * Vec::loadu(s1 + j)).store(o + j);
-          (x2 * Vec::loadu(c + half + j) + Vec(sign) * x1 * Vec::loadu(s2 + j)).store(o + half + j);
+          (x1 * Vec::loadu(c + j) - vsign * x2 * Vec::loadu(s1 + j)).store(o + j);
+          (x2 * Vec::loadu(c + half + j) + vsign * x1 * Vec::loadu(s2 + j)).store(o + half + j);
         }
         for (; j < half; ++j) {
           const float x1 = xr[j], x2 = xr[half + j];
@@ -660,8 +661,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 TORCH_LIBRARY(dat_hf, m) {
   m.def("swiglu_forward(Tensor gate, Tensor up) -> Tensor");
-  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool transpose) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool transpose) -> Tensor");
   m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor? mask, "
         "bool causal, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
   m.def("relational_attention_backward(Tensor grad_symbols, Tensor grad_relations, Tensor q, Tensor k, Tensor v, "
@@ -676,8 +677,8 @@ TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
   m.impl("relational_attention_backward", &relational_attention_backward);
   m.impl("relational_attention_decode", &relational_attention_decode);
   m.impl("swiglu_forward", &swiglu_forward);
-  m.impl("rope", &rope);
   m.impl("swiglu_backward", &swiglu_backward);
+  m.impl("rope", &rope);
 }
 '''
 

@@ -277,7 +277,8 @@ def main_parts(args):
     kwargs = model_kwargs(args) | {"max_len": max(args.max_len, *args.seq)}
     dat, llama = build("dat_hf", **kwargs).train(), build("llama", **kwargs).train()
     dat_layer, llama_layer = dat.model.layers[0], llama.model.layers[0]
-    heads, head_dim = args.sensory_heads + args.relational_heads, args.hidden // (args.sensory_heads + args.relational_heads)
+    heads = args.sensory_heads + args.relational_heads
+    head_dim = args.hidden // heads
     relations, relation_dim = dat.config.relations, dat.config.relation_head_dim
     kernel = load_cpu_kernel()
     causal = AttentionMask(None, None, True)
@@ -301,7 +302,8 @@ def main_parts(args):
             # x only carries a gradient so that every part is timed alike
             return lambda x: torch.nn.functional.scaled_dot_product_attention(*inputs(), is_causal=True) + 0 * x.sum()
 
-        kernel_inputs = leaves(*[(b, args.relational_heads, seq, head_dim)] * 3, *[(b, seq, relations, relation_dim)] * 2)
+        kernel_inputs = leaves(*[(b, args.relational_heads, seq, head_dim)] * 3,
+                               *[(b, seq, relations, relation_dim)] * 2)
 
         def relational_kernel_fn(x):
             out, rel = cpu_relational_attention(*kernel_inputs(), True, head_dim**-0.5, relation_dim**-0.5, None)

@@ -557,7 +557,8 @@ def test_rope_op_matches_pytorch_in_fp64(cos_batch, loaded):
     assert (out.double() - expected).abs().max() < 1e-5
     # the gradient arrives as a transposed view (`[b, h, n, d]` memory), which the op reads in place
     grad32 = grad.float().transpose(1, 2).contiguous().transpose(1, 2)
-    assert (kernel.cpu_rope(grad32, cos.float(), sin.float(), transpose=True).double() - expected_grad).abs().max() < 1e-5
+    got_grad = kernel.cpu_rope(grad32, cos.float(), sin.float(), transpose=True)
+    assert (got_grad.double() - expected_grad).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match=r"rope: x must be float32 \[b, n, heads, d\] \(even d\) with a contiguous"):
         kernel.cpu_rope(x32.transpose(-1, -2), cos.float(), sin.float())  # last dim not contiguous
     with pytest.raises(RuntimeError, match=r"rope: cos and sin must be contiguous float32 \[b or 1, n, d\]"):
