@@ -82,7 +82,7 @@ class _meta_device:
 
 def run_one(args, name: str):
     """Train and evaluate one model in this process; writes `<output_dir>/<name>/exact_match.json`."""
-    from dat_hf.math_data import build_char_tokenizer
+    from dat_hf.training.math_data import build_char_tokenizer
 
     from train_seq2seq import ModelArguments, main
 

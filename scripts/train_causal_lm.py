@@ -44,7 +44,7 @@ from transformers import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dat_hf  # noqa: E402,F401  (registers the Auto classes)
-from dat_hf.data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
+from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 from dat_hf.training import (  # noqa: E402
     AtomicCheckpointTrainer,
     count_parameters,

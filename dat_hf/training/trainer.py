@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 PERPLEXITY_METRIC_PATH = REPO_ROOT / "metrics" / "perplexity"
 STAGING_DIR_NAME = ".staging"
@@ -68,7 +68,7 @@ def parse_config_overrides(overrides: str | None) -> dict:
 
 def load_preset_config(name_or_path: str, config_dir: str | os.PathLike | None = None, **overrides):
     """A `DATConfig` from a preset name or JSON path; keys starting with `_` (comments, expected sizes) are dropped."""
-    from .configuration_dat import DATConfig
+    from ..configuration_dat import DATConfig
 
     with open(preset_path(name_or_path, config_dir), encoding="utf-8") as f:
         kwargs = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
