@@ -25,13 +25,13 @@ from .modeling_dat import (
 )
 
 from .configuration_dat_vision import DATVisionConfig
-from .relational_kernel_cpu import load_cpu_kernel
 from .image_processing_dat import DATImageProcessor
 from .modeling_dat_vision import DATForImageClassification, DATVisionModel, DATVisionPreTrainedModel
 
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .modeling_dat_seq2seq import DATForSeq2SeqLM, DATSeq2SeqModel, DATSeq2SeqPreTrainedModel
 from .pipeline_text2text import DATText2TextPipeline  # registers the `dat-text2text` pipeline task
+from .kernels import load_cpu_kernel  # registers the compiled backends (never imported by the model files)
 
 __version__ = "0.1.0"
 

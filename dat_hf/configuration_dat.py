@@ -76,6 +76,10 @@ class DualAttentionConfig(PreTrainedConfig):
         attention_dropout / hidden_dropout / embedding_dropout / symbol_dropout: dropout rates (training only).
         attention_bias / attention_out_bias / mlp_bias: bias of key/value projections, of attention output
             projections, and of feed-forward layers.
+        relational_attn_implementation: the relational heads' backend (`eager`, `sdpa`, `flex_attention`, or a
+            compiled one that `import dat_hf` registers, e.g. `cpu`); None (default) picks the fastest backend that
+            supports each call, following `attn_implementation` (see `dat_hf.relational_attention`). An explicit
+            choice that cannot run a call raises.
     """
 
     hidden_size: int = 256
@@ -120,6 +124,7 @@ class DualAttentionConfig(PreTrainedConfig):
     attention_out_bias: bool = False
     mlp_bias: bool = False
     initializer_range: float = 0.02
+    relational_attn_implementation: str | None = None
 
     # biases a model of this config accepts (causal LMs narrow it to CAUSAL_BIASES)
     allowed_relational_biases = RELATIONAL_BIASES

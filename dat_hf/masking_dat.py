@@ -6,9 +6,11 @@ attention": `full` (complete graph), `causal` (total order), `sliding_window` (t
 tokens, or explicit edges) and `graph` (an adjacency given with each input). Encoder-decoder cross-attention is the
 bipartite graph `bipartite` (every target token to every unpadded source token).
 
-Masks are built once per forward with Transformers' `masking_utils` (so they have the type the attention
-implementation expects: None, bool or additive float), together with `row_valid`, which marks receivers that have
-at least one sender. Rows without senders are unmasked for the kernel (no NaN) and their output is zeroed.
+Masks are built once per forward with Transformers' `masking_utils`, always in one dense form (None when nothing is
+masked or plain causal order applies, else bool `[b, 1, q, kv]`; every backend and the eager functions take it),
+plus a `BlockMask` for FlexAttention when the model uses it (masked blocks are then skipped), together with
+`row_valid`, which marks receivers that have at least one sender. Rows without senders are unmasked in the dense
+form (no NaN) and their output is zeroed.
 """
 
 from typing import NamedTuple
@@ -18,17 +20,31 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 
 
 class AttentionMask(NamedTuple):
-    """A mask in the format of the attention implementation, plus which receivers have any sender.
+    """One relational bias as the attention functions take it, plus which receivers have any sender.
 
-    mask: None (no masking, or plain causal handled by the kernel when `is_causal`), bool `[b, 1, q, kv]` (True =
-        attend) or additive float `[b, 1, q, kv]`.
+    mask: None (no masking, or plain causal order when `is_causal`: receiver i at position kv - q + i sees senders
+        up to there), bool `[b|1, 1, q, kv]` (True = attend) or, from a user's 4-D mask, additive float.
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
     is_causal: whether a None mask means causal.
+    block_mask: the same graph as a FlexAttention `BlockMask` (only when the model uses `flex_attention`).
     """
 
     mask: torch.Tensor | None
     row_valid: torch.Tensor | None
     is_causal: bool
+    block_mask: object = None
+
+    def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None):
+        """The mask of receivers [start, end) (default: all) as an explicit tensor for code that forms its own scores:
+        bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked."""
+        end = q_len if end is None else end
+        if self.mask is not None:
+            return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
+        if not self.is_causal:
+            return None
+        # receiver i sits at position kv_len - q_len + i (after a cache) and sees senders up to there
+        positions = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
+        return (torch.arange(kv_len, device=device)[None, :] <= positions)[None, None]
 
 
 def _window_function(window: int, two_sided: bool):
@@ -95,19 +111,42 @@ def check_graph_adjacency(adjacency, batch_size: int, seq_len: int):
         )
 
 
-def _with_row_validity(mask: torch.Tensor | None, is_causal: bool) -> AttentionMask:
+def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None) -> AttentionMask:
     if mask is None or not isinstance(mask, torch.Tensor):
-        return AttentionMask(mask, None, is_causal)
+        return AttentionMask(None, None, is_causal, block_mask)
     allowed = mask if mask.dtype == torch.bool else mask == 0
     row_valid = allowed.any(dim=-1, keepdim=True)
     if not torch.compiler.is_compiling() and bool(row_valid.all()):
-        return AttentionMask(mask, None, is_causal)
+        return AttentionMask(mask, None, is_causal, block_mask)
     # let isolated receivers attend everywhere (finite kernels), their output is zeroed by the caller
     if mask.dtype == torch.bool:
         mask = mask | ~row_valid
     else:
         mask = mask.masked_fill(~row_valid, 0.0)
-    return AttentionMask(mask, row_valid, is_causal)
+    return AttentionMask(mask, row_valid, is_causal, block_mask)
+
+
+class _MaskFormat:
+    """A config as `masking_utils` reads it, with the attention implementation whose mask format is wanted."""
+
+    def __init__(self, config, attn_implementation: str):
+        self._config = config
+        self._attn_implementation = attn_implementation
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def uses_flex_attention(config) -> bool:
+    """Whether some heads run FlexAttention (then masks also come as `BlockMask`s)."""
+    return "flex_attention" in (config._attn_implementation, getattr(config, "relational_attn_implementation", None))
+
+
+def _both_formats(create, config, **kwargs):
+    """(dense mask, BlockMask or None) from a `masking_utils` mask function."""
+    dense = create(config=_MaskFormat(config, "sdpa"), **kwargs)
+    block = create(config=_MaskFormat(config, "flex_attention"), **kwargs) if uses_flex_attention(config) else None
+    return dense, block
 
 
 def build_attention_mask(
@@ -133,42 +172,24 @@ def build_attention_mask(
     elif bias not in ("full", "causal"):
         raise ValueError(f"Unknown relational bias {bias!r}.")
     # `causal` and `sliding_window` are ordered graphs in any model (also bidirectional encoders)
-    if bias in ("causal", "sliding_window") or (causal and bias != "full"):
-        mask = create_causal_mask(
-            config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=past_key_values, position_ids=position_ids, and_mask_function=and_fn,
-        )
-        return _with_row_validity(mask, is_causal=True)
-    mask = create_bidirectional_mask(
-        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-        past_key_values=past_key_values, and_mask_function=and_fn,
-    )
-    return _with_row_validity(mask, is_causal=False)
+    ordered = bias in ("causal", "sliding_window") or (causal and bias != "full")
+    if ordered:
+        masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                              past_key_values=past_key_values, position_ids=position_ids, and_mask_function=and_fn)
+    else:
+        masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
+                              attention_mask=attention_mask, past_key_values=past_key_values,
+                              and_mask_function=and_fn)
+    return _with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1])
 
 
 def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, encoder_attention_mask) -> AttentionMask:
     """The bipartite graph of encoder-decoder attention: every target token to every unpadded source token."""
     if encoder_attention_mask is not None and encoder_attention_mask.dtype != torch.bool:
         encoder_attention_mask = encoder_attention_mask.bool()
-    mask = create_bidirectional_mask(
-        config=config, inputs_embeds=inputs_embeds, attention_mask=encoder_attention_mask,
-        encoder_hidden_states=encoder_hidden_states,
-    )
-    return _with_row_validity(mask, is_causal=False)
-
-
-def additive_mask(mask: AttentionMask, q_len: int, kv_len: int, dtype, device) -> torch.Tensor | None:
-    """The mask as an additive float `[b|1, 1, q, kv]` tensor (for code that builds its own scores)."""
-    min_value = torch.finfo(dtype).min
-    if mask.mask is None:
-        if not mask.is_causal or q_len == 1:
-            return None
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-        allowed = q_pos >= torch.arange(kv_len, device=device)[None, :]
-        return torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, min_value)[None, None]
-    if mask.mask.dtype == torch.bool:
-        return torch.zeros((), dtype=dtype, device=device).masked_fill(~mask.mask, min_value)
-    return mask.mask.to(dtype)
+    dense, block = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
+                                 attention_mask=encoder_attention_mask, encoder_hidden_states=encoder_hidden_states)
+    return _with_row_validity(dense, is_causal=False, block_mask=block)
 
 
 def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
@@ -181,5 +202,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=N
     }
 
 
-__all__ = ["AttentionMask", "additive_mask", "build_attention_mask", "build_cross_attention_mask", "build_masks",
+__all__ = ["AttentionMask", "build_attention_mask", "build_cross_attention_mask", "build_masks",
            "check_graph_adjacency"]

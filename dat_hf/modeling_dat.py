@@ -20,7 +20,7 @@ from functools import wraps
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN, SiLUActivation
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -36,30 +36,23 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig, DATEncoderConfig
-from .dual_attention import (
-    DATRotaryEmbedding,
-    DualAttention,
-    RelationalAttention,
-    SensoryAttention,
-    use_in_place_cache_layers,
-)
+from .cache_dat import use_in_place_cache_layers
+from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
+from .kernel_hooks import replaceable
 from .masking_dat import build_masks, check_graph_adjacency
-from .relational_kernel_cpu import cpu_kernel_ready, cpu_swiglu, cpu_swiglu_backward, load_cpu_kernel
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
 @dataclass
 class DATModelOutputWithPast(BaseModelOutputWithPast):
-    """`attentions` are the sensory heads' weights; `relational_attentions` the relational heads' weights
-    `[b, h_r, q, kv]` and `relations` the relation tensors `[b, R, q, kv]`, one per layer."""
+    """`attentions`: every head's weights `[b, h_s + h_r, q, kv]` (sensory heads first), `relations`: the relation
+    tensors `[b, R, q, kv]`, one per layer (with `output_attentions=True`)."""
 
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class DATCausalLMOutputWithPast(CausalLMOutputWithPast):
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -81,67 +74,15 @@ def make_norm(config) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-def _fused_swiglu(act_fn, gate, up) -> bool:
-    """Whether `silu(gate) * up` can take the compiled one-pass op: SwiGLU, float32 on CPU, eager, and no graph wanted
-    through it (the op has no autograd formula; `ActivationDownProjection` calls its backward itself)."""
-    return (
-        up is not None and isinstance(act_fn, SiLUActivation) and gate.dtype == torch.float32
-        and up.dtype == torch.float32 and gate.device.type == "cpu" and not torch.compiler.is_compiling()
-        and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))
-        and (cpu_kernel_ready() or load_cpu_kernel())
-    )
-
-
-class ActivationDownProjection(torch.autograd.Function):
-    """`down(act(gate) * up)` (or `down(act(gate))` when `up` is None) that keeps only `gate` and `up` for backward
-    and recomputes the `[b, n, f]` activation there: two fewer f-wide tensors per layer than autograd keeps, at the
-    cost of one elementwise pass. For SwiGLU in float32 on CPU the activation and both its gradients are one pass each
-    (compiled ops). gate, up `[..., f]`, weight `[d, f]`, bias `[d]` or None -> `[..., d]`."""
-
-    @staticmethod
-    def forward(ctx, gate, up, weight, bias, act_fn):
-        ctx.act_fn = act_fn
-        ctx.save_for_backward(gate, up, weight)
-        ctx.has_bias = bias is not None
-        return nn.functional.linear(ActivationDownProjection._hidden(act_fn, gate, up), weight, bias)
-
-    @staticmethod
-    def _hidden(act_fn, gate, up):
-        """`act(gate) * up`, or `act(gate)` when `up` is None (also the plain path of `DATMLP`)."""
-        if _fused_swiglu(act_fn, gate, up):
-            return cpu_swiglu(gate, up)
-        hidden = act_fn(gate)
-        return hidden if up is None else hidden * up
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        gate, up, weight = ctx.saved_tensors
-        fused = _fused_swiglu(ctx.act_fn, gate, up)  # (backward runs without grad mode)
-        if fused:
-            hidden = cpu_swiglu(gate, up)
-        else:
-            with torch.enable_grad():  # recompute the activation, with a graph back to gate and up
-                gate = gate.detach().requires_grad_()
-                up = None if up is None else up.detach().requires_grad_()
-                hidden = ActivationDownProjection._hidden(ctx.act_fn, gate, up)
-        # under autocast the forward ran in the autocast dtype, which grad_out carries
-        grad_hidden = grad_out @ weight.to(grad_out.dtype)  # [..., f]
-        flat_grad = grad_out.flatten(0, -2)
-        grad_weight = (flat_grad.t() @ hidden.detach().flatten(0, -2).to(grad_out.dtype)).to(weight.dtype)
-        grad_bias = flat_grad.sum(0).to(weight.dtype) if ctx.has_bias else None
-        if fused:
-            grad_gate, grad_up = cpu_swiglu_backward(grad_hidden, gate, up)
-        elif up is None:
-            return torch.autograd.grad(hidden, gate, grad_hidden)[0], None, grad_weight, grad_bias, None
-        else:
-            grad_gate, grad_up = torch.autograd.grad(hidden, (gate, up), grad_hidden)
-        return grad_gate, grad_up, grad_weight, grad_bias, None
+@replaceable("activation_down_projection")
+def activation_down_projection(act_fn, gate, up, down_proj):
+    """`down(act(gate) * up)`, or `down(act(gate))` when `up` is None. gate, up `[..., f]` -> `[..., d]`."""
+    hidden = act_fn(gate)
+    return down_proj(hidden if up is None else hidden * up)
 
 
 class DATMLP(nn.Module):
-    """Feed-forward: `down(act(gate(x)) * up(x))` for swiglu, else `down(act(up(x)))`. In training the activation is
-    recomputed in backward (`ActivationDownProjection`) unless `down_proj` is wrapped (PEFT, quantization, hooks)."""
+    """Feed-forward: `down(act(gate(x)) * up(x))` for swiglu, else `down(act(up(x)))`."""
 
     def __init__(self, config):
         super().__init__()
@@ -153,25 +94,11 @@ class DATMLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=bias)
         self.down_proj.residual_init = True
         self.act_fn = ACT2FN["silu" if self.gated else config.hidden_act]
-        # relu's backward needs only its output, which down_proj keeps anyway: nothing to gain by recomputing it
-        self.recompute_activation = config.hidden_act != "relu"
 
     def forward(self, x):
         up = self.up_proj(x)
         gate, up = (self.gate_proj(x), up) if self.gated else (up, None)
-        if self._recomputes_activation(gate):
-            return ActivationDownProjection.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self.act_fn)
-        return self.down_proj(ActivationDownProjection._hidden(self.act_fn, gate, up))
-
-    def _recomputes_activation(self, gate) -> bool:
-        down = self.down_proj
-        return (
-            self.recompute_activation
-            and gate.requires_grad
-            and type(down) is nn.Linear
-            and not (down._forward_hooks or down._forward_pre_hooks)
-            and not torch.compiler.is_compiling()  # the compiler chooses what to recompute itself
-        )
+        return activation_down_projection(self.act_fn, gate, up, self.down_proj)
 
 
 class DATDecoderLayer(GradientCheckpointingLayer):
@@ -190,8 +117,9 @@ class DATDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
                 past_key_values=None, **kwargs):
         def attend(x):
-            return self.dropout(self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask,
-                                               past_key_values, **kwargs))
+            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, past_key_values,
+                                       **kwargs)
+            return self.dropout(out)
 
         if self.pre_norm:
             hidden_states = hidden_states + attend(self.input_layernorm(hidden_states))
@@ -272,12 +200,11 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
 
 
 def attentions_imply_relations(func):
-    """`output_attentions=True` also returns the relational heads' weights and the relations."""
+    """`output_attentions=True` also returns the relations."""
 
     @wraps(func)
     def wrapper(self, *args, **kwargs):
         if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
-            kwargs.setdefault("output_relational_attentions", True)
             kwargs.setdefault("output_relations", True)
         return func(self, *args, **kwargs)
 
@@ -291,15 +218,15 @@ class DATPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DATDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
+    _supports_flex_attn = True
+    # FlashAttention's kernels take no arbitrary masks (relational biases) and no value widths beyond the key width
     _supports_flash_attn = False
-    _supports_flex_attn = False
     _can_compile_fullgraph = False
     _supports_attention_backend = False
     _can_record_outputs = {
         "hidden_states": DATDecoderLayer,
-        "attentions": OutputRecorder(SensoryAttention, index=1),
-        "relational_attentions": OutputRecorder(RelationalAttention, index=1),
-        "relations": OutputRecorder(RelationalAttention, index=2),
+        "attentions": OutputRecorder(DualAttention, index=1),
+        "relations": OutputRecorder(DualAttention, index=2),
     }
 
     # every Auto class of the family, written to `auto_map` on save so remote code loads any of them
@@ -415,7 +342,6 @@ class DATModel(DATPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
-        kwargs.pop("output_relational_attentions", None)
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
@@ -544,7 +470,6 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            relational_attentions=outputs.relational_attentions,
             relations=outputs.relations,
         )
 
@@ -619,7 +544,6 @@ class DATEncoderModel(DATModel):
 
 @dataclass
 class DATTokenClassifierOutput(TokenClassifierOutput):
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -678,7 +602,7 @@ class DATForTokenClassification(DATPreTrainedModel):
             loss = self.loss_function(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
         return DATTokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            relational_attentions=outputs.relational_attentions, relations=outputs.relations,
+            relations=outputs.relations,
         )
 
 

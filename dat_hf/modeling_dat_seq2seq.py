@@ -38,8 +38,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .dual_attention import (DualAttention, RelationalAttention, SensoryAttention, fused_linear,
-                             use_in_place_cache_layers)
+from .cache_dat import use_in_place_cache_layers
+from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, fused_linear
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
     DATMLP,
@@ -145,27 +145,26 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int | None, decoder_s
 
 @dataclass
 class DATSeq2SeqModelOutput(Seq2SeqModelOutput):
-    """Adds the relational heads' weights and relations of the encoder and the decoder self-attention."""
+    """Adds the relations `[b, R, q, kv]` of the encoder's and the decoder self-attention's relational heads (the
+    `*attentions` cover every head, sensory heads first)."""
 
-    encoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
-    decoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    encoder_relations: tuple[torch.FloatTensor, ...] | None = None
+    decoder_relations: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class DATSeq2SeqLMOutput(Seq2SeqLMOutput):
-    encoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
-    decoder_relational_attentions: tuple[torch.FloatTensor, ...] | None = None
+    encoder_relations: tuple[torch.FloatTensor, ...] | None = None
+    decoder_relations: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class DATEncoderOutput(BaseModelOutput):
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class DATDecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -258,17 +257,23 @@ class DATCrossAttention(nn.Module):
         key_parts = key_cache.split(
             [module.num_kv_heads for module in (self.sensory, self.relational) if module is not None], dim=1)
         value_parts = value_cache[:, 0].split(self._value_widths(), dim=-1)
-        outputs = []
+        outputs, weights, relations = [], [], None
         if self.sensory is not None:
             v_s = value_parts[0].view(b, m, -1, self.head_dim).transpose(1, 2)
-            out_s, _ = self.sensory(q_s, key_parts[0], v_s, mask, output_attentions=output_attentions, **kwargs)
+            out_s, weights_s = self.sensory(q_s, key_parts[0], v_s, mask, output_attentions=output_attentions,
+                                            **kwargs)
             outputs.append(out_s)
+            weights.append(weights_s)
         if self.relational is not None:
+            rel = self.relational
             symbol_values = value_parts[-2].view(b, m, -1, self.head_dim).transpose(1, 2)
-            out_r, _, _ = self.relational(q_r, key_parts[-1], symbol_values, q_rel, value_parts[-1], mask,
-                                          output_attentions=output_attentions, **kwargs)
+            relation_keys = value_parts[-1].view(b, m, rel.num_relations, rel.relation_dim)
+            out_r, weights_r, relations = rel(q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask,
+                                              output_attentions=output_attentions, **kwargs)
             outputs.append(out_r)
-        return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+            weights.append(weights_r)
+        out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+        return out, (torch.cat(weights, dim=1) if output_attentions else None), relations
 
 
 class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
@@ -292,12 +297,14 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
         self_cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
 
         def self_attend(x):
-            return self.dropout(self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask,
-                                               self_cache, **kwargs))
+            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, self_cache,
+                                       **kwargs)
+            return self.dropout(out)
 
         def cross_attend(x):
-            return self.dropout(self.cross_attn(x, encoder_hidden_states, source_symbols, cross_mask, past_key_values,
-                                                **kwargs))
+            out, _, _ = self.cross_attn(x, encoder_hidden_states, source_symbols, cross_mask, past_key_values,
+                                        **kwargs)
+            return self.dropout(out)
 
         if self.pre_norm:
             hidden_states = hidden_states + self_attend(self.input_layernorm(hidden_states))
@@ -341,9 +348,8 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
 
     _can_record_outputs = {
         "hidden_states": OutputRecorder(DATDecoderLayer, index=0, num_hidden_layers_key="encoder_layers"),
-        "attentions": OutputRecorder(SensoryAttention, index=1),
-        "relational_attentions": OutputRecorder(RelationalAttention, index=1),
-        "relations": OutputRecorder(RelationalAttention, index=2),
+        "attentions": OutputRecorder(DualAttention, index=1),
+        "relations": OutputRecorder(DualAttention, index=2),
     }
 
     def __init__(self, config: DATSeq2SeqConfig):
@@ -389,7 +395,7 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
                 f"got {list(attention_mask.shape)}."
             )
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
-        for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
+        for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         if position_ids is None:
             position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, 0, inputs_embeds.device)
@@ -412,10 +418,9 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
 
     _can_record_outputs = {
         "hidden_states": OutputRecorder(DATSeq2SeqDecoderLayer, index=0),
-        "attentions": OutputRecorder(SensoryAttention, index=1, layer_name="dual_attn"),
-        "cross_attentions": OutputRecorder(SensoryAttention, index=1, layer_name="cross_attn"),
-        "relational_attentions": OutputRecorder(RelationalAttention, index=1, layer_name="dual_attn"),
-        "relations": OutputRecorder(RelationalAttention, index=2, layer_name="dual_attn"),
+        "attentions": OutputRecorder(DualAttention, index=1, layer_name="dual_attn"),
+        "cross_attentions": OutputRecorder(DATCrossAttention, index=1),
+        "relations": OutputRecorder(DualAttention, index=2, layer_name="dual_attn"),
     }
 
     def __init__(self, config: DATSeq2SeqConfig):
@@ -458,7 +463,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 f"{list(encoder_hidden_states.shape[:2])}, got {list(encoder_attention_mask.shape)}."
             )
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
-        for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
+        for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
         if starts_cache(self, use_cache, past_key_values):
@@ -623,8 +628,8 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
             encoder_last_hidden_state=encoder_hidden,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
-            encoder_relational_attentions=getattr(encoder_outputs, "relational_attentions", None),
-            decoder_relational_attentions=getattr(decoder_outputs, "relational_attentions", None),
+            encoder_relations=getattr(encoder_outputs, "relations", None),
+            decoder_relations=getattr(decoder_outputs, "relations", None),
         )
 
 
@@ -740,8 +745,8 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
             encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
-            encoder_relational_attentions=outputs.encoder_relational_attentions,
-            decoder_relational_attentions=outputs.decoder_relational_attentions,
+            encoder_relations=outputs.encoder_relations,
+            decoder_relations=outputs.decoder_relations,
         )
 
 

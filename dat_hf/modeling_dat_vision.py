@@ -42,16 +42,14 @@ from .symbol_retrieval import SymbolRetrievers
 
 @dataclass
 class DATVisionModelOutput(BaseModelOutputWithPooling):
-    """`attentions` are the sensory heads' weights; `relational_attentions` the relational heads' weights
-    `[b, h_r, n, n]` and `relations` the relation tensors `[b, R, n, n]`, one per layer."""
+    """`attentions`: every head's weights `[b, h_s + h_r, n, n]` (sensory heads first), `relations`: the relation
+    tensors `[b, R, n, n]`, one per layer (with `output_attentions=True`)."""
 
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
 class DATImageClassifierOutput(ImageClassifierOutput):
-    relational_attentions: tuple[torch.FloatTensor, ...] | None = None
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
@@ -213,7 +211,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
         if pixel_values is None:
             raise ValueError("You have to specify `pixel_values`.")
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
-        for key in ("output_relational_attentions", "output_relations", "output_hidden_states"):
+        for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         hidden_states, (rows, cols) = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
         batch_size, seq_len, _ = hidden_states.shape
@@ -336,7 +334,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
             loss = self.loss_function(labels, logits, self.config)
         return DATImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            relational_attentions=outputs.relational_attentions, relations=outputs.relations,
+            relations=outputs.relations,
         )
 
 

@@ -99,9 +99,9 @@ def worker_train(args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.compile:  # the first (warm-up) step compiles; dat_hf and Llama compile as one graph
         if args.impl == "dat_hf":  # compiled graphs call dat_hf's CPU kernel only when it is already loaded
-            from dat_hf.relational_kernel_cpu import load_cpu_kernel
+            import dat_hf
 
-            load_cpu_kernel()
+            dat_hf.load_cpu_kernel()
         model = torch.compile(model, fullgraph=args.impl != "reference")
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
     base = device.memory_gib()  # interpreter, libraries and the model (CPU); the model (CUDA)
@@ -270,8 +270,8 @@ def main_parts(args):
     warm-up repetition)."""
     import torch
 
+    from dat_hf.kernels.cpu import load_cpu_kernel, relational_attention_op
     from dat_hf.masking_dat import AttentionMask
-    from dat_hf.relational_kernel_cpu import cpu_relational_attention, load_cpu_kernel
 
     torch.set_num_threads(args.threads)
     kwargs = model_kwargs(args) | {"max_len": max(args.max_len, *args.seq)}
@@ -306,7 +306,7 @@ def main_parts(args):
                                *[(b, seq, relations, relation_dim)] * 2)
 
         def relational_kernel_fn(x):
-            out, rel = cpu_relational_attention(*kernel_inputs(), True, head_dim**-0.5, relation_dim**-0.5, None)
+            out, rel = relational_attention_op(*kernel_inputs(), True, head_dim**-0.5, relation_dim**-0.5, None)
             return out.sum() + rel.sum() + 0 * x.sum()
 
         parts = {
@@ -315,7 +315,7 @@ def main_parts(args):
                                                  position_embeddings=llama_rope),
             "dat_hf symbol retrieval": lambda x: dat.model.symbol_retrievers(0, x, positions),
             "dat_hf attention": lambda x: dat_layer.dual_attn(dat_layer.input_layernorm(x), symbols, dat_rope, causal,
-                                                              causal),
+                                                              causal)[0],
             "llama attention": lambda x: llama_layer.self_attn(llama_layer.input_layernorm(x), attention_mask=None,
                                                                position_embeddings=llama_rope)[0],
             "dat_hf mlp": lambda x: dat_layer.mlp(dat_layer.post_attention_layernorm(x)),

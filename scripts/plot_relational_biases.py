@@ -222,16 +222,17 @@ def plot_model_attention(model, input_ids, output_dir, graph_adjacency=None, tok
     with torch.no_grad():
         out = model(input_ids=input_ids, output_attentions=True, use_cache=False, **kwargs)
     paths = []
+    h_s = config.num_sensory_heads  # attentions: every head of a layer, sensory heads first
     for layer in range(config.num_hidden_layers):
         sensory_bias, relational_bias = config.layer_bias(layer, False), config.layer_bias(layer, True)
-        if config.num_sensory_heads > 0 and out.attentions:
-            weights = out.attentions[layer][0]
+        if h_s > 0:
+            weights = out.attentions[layer][0, :h_s]
             paths.append(_heatmaps(
                 list(weights), [f"sensory head {h}" for h in range(weights.shape[0])],
                 os.path.join(output_dir, f"layer{layer}_sensory.png"),
                 f"layer {layer}: sensory attention ({sensory_bias})", "viridis", tokens=tokens))
-        if config.num_relational_heads > 0 and out.relational_attentions:
-            weights = out.relational_attentions[layer][0]
+        if config.num_relational_heads > 0:
+            weights = out.attentions[layer][0, h_s:]
             paths.append(_heatmaps(
                 list(weights), [f"relational head {h}" for h in range(weights.shape[0])],
                 os.path.join(output_dir, f"layer{layer}_relational.png"),

@@ -1,18 +1,16 @@
-"""The compiled CPU kernel for relational attention (`dat_hf/relational_kernel_cpu.py`).
+"""The compiled CPU kernels (`dat_hf/kernels/`: `csrc/*.cpp`, `cpu.py`, `mlp.py`), at the level of their ops.
 
-- it builds on this machine (CI has a C++ compiler); `DAT_HF_CPU_KERNEL=0` turns it off without compiling;
-- function level: fp32 outputs and the gradients of all five inputs against the slow, explicit fp64 implementation
-  of `test_tiled_kernel.py`, for causal (also kv > q), full, GQA, batch-1 symbol values, strided (transposed)
-  queries, and sizes that cross the kernel's 64-receiver / 256-sender blocks; both threading schemes (whole batch
-  rows per thread; receiver blocks split with per-thread key-gradient buffers) give the single-thread result;
-- bad inputs raise errors that name the tensor;
-- model level: logits and parameter gradients equal those of the fused path, for GQA, symmetric relations and shared
-  attention parameters, and for the (full-attention) encoder; it is taken exactly for fp32 causal/unmasked CPU
-  calls (not for padding masks, fp64, `use_cpu_kernel=False`);
-- `torch.compile` graphs call the op (fake kernel + autograd formula) and give eager's gradients;
-- the decoding op (one receiver per row, W_r applied): against the explicit fp64 implementation for GQA, batch-1
-  symbol values, widths that are not multiples of the vector length and strided views of a packed cache; 1 vs 2
-  threads; greedy generation equals generation without the kernel; taken only without gradients, masks or autocast.
+- they build on this machine (CI has a C++ compiler); `DAT_HF_CPU_KERNEL=0` turns them off without compiling;
+- the relational attention op: float32 outputs and the gradients of all five inputs against the package's reference
+  (`eager_relational_attention`, float64) split into its two aggregations, for causal (also kv > q), full, GQA,
+  batch-1 symbol values, bool masks, strided (transposed) queries, and sizes that cross the kernel's 64-receiver /
+  256-sender blocks; receivers without senders get zeros; both threading schemes give the single-thread result;
+  bad inputs raise errors that name the tensor; `torch.compile` graphs call the op and give eager's gradients;
+- the decoding op (one receiver per row, W_r applied) against the reference, for GQA, batch-1 symbol values, widths
+  that are not multiples of the vector length, masks and strided views of a packed cache; greedy generation with
+  the `cpu` backend equals generation with the reference;
+- the SwiGLU and RoPE ops against PyTorch in float64, and the registered kernels taking them in training.
+(Backend-level comparisons of every backend over the shared case matrix: `test_relational_backends.py`.)
 """
 
 import shutil
@@ -20,36 +18,43 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_config
-from test_tiled_kernel import CallCounter, assert_close, make_inputs, random_bool_mask, reference_relational_attention
+from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
+                              reference_parts, right_padding)
 
 import dat_hf.dual_attention as da
-import dat_hf.relational_kernel_cpu as kernel
-from dat_hf import DATEncoderConfig, DATForCausalLM, DATForTokenClassification
-from dat_hf.dual_attention import RelationalAttention
+import dat_hf.kernels.cpu as kernel
+from dat_hf import DATForCausalLM
+from dat_hf.kernels import cpu_build
+from dat_hf.kernel_hooks import registered_kernels
 from dat_hf.masking_dat import AttentionMask
+from dat_hf.relational_attention import eager_relational_attention
 
 
 def test_kernel_builds_on_this_machine():
-    if shutil.which("c++") is None:  # no compiler: the PyTorch paths stand in, with a warning
+    if shutil.which("c++") is None:  # no compiler: the PyTorch backends stand in
         assert not kernel.load_cpu_kernel()
         return
-    assert kernel.load_cpu_kernel(), kernel._STATE["error"]
+    assert kernel.load_cpu_kernel(), cpu_build._STATE["error"]
     assert kernel.cpu_kernel_ready()
 
 
 @pytest.fixture
 def loaded():
-    assert kernel.load_cpu_kernel(), f"the CPU kernel did not build: {kernel._STATE['error']}"
+    assert kernel.load_cpu_kernel(), f"the CPU kernel did not build: {cpu_build._STATE['error']}"
 
 
 def test_disabled_by_environment_without_compiling(monkeypatch):
     monkeypatch.setenv("DAT_HF_CPU_KERNEL", "0")
-    monkeypatch.setattr(kernel, "_STATE", {"loaded": False, "tried": False, "error": None})
-    assert not kernel.cpu_kernel_enabled()
+    monkeypatch.setattr(cpu_build, "_STATE", {"loaded": False, "tried": False, "error": None})
+    monkeypatch.setattr(kernel, "_READY", [False])
+    assert not cpu_build.cpu_kernel_enabled()
     assert not kernel.load_cpu_kernel()
-    assert not kernel._STATE["tried"]  # nothing was attempted
-    module = RelationalAttention(tiny_config(), 0)
-    assert not module._takes_cpu_kernel(torch.zeros(1, 2, 4, 8), AttentionMask(None, None, True), False)
+    assert not cpu_build._STATE["tried"]  # nothing was attempted
+    from dat_hf.relational_attention import RelationalCall
+
+    call = RelationalCall("cpu", torch.float32, 4, True, False, "identity", False, 0.0, AttentionMask(None, None, True),
+                          False, False)
+    assert "not built" in kernel.supports_cpu(call)
 
 
 # ---- function level ----------------------------------------------------------------------------------------------
@@ -70,27 +75,23 @@ def run_kernel_and_reference(spec, seed=0, transpose_query=False, mask=None):
     """mask: None or bool `[b|1, 1, q, kv]` (True = attend), on top of `causal`."""
     spec = dict(spec)
     causal = spec.pop("causal")
-    h, h_kv = 4, spec.setdefault("h_kv", 4)
+    spec.setdefault("h_kv", 4)
     spec.setdefault("q_len", 10)
     inputs64 = make_inputs(seed=seed, **spec)
     b, q_len, kv_len = inputs64[0].shape[0], inputs64[0].shape[2], inputs64[1].shape[2]
-    R = inputs64[3].shape[2]
     scaling, relation_scaling = 0.37, 0.61
     reference_mask = AttentionMask(None, None, causal)
     if mask is not None:
-        allowed = mask
-        if causal:
-            allowed = allowed & (torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len))
-        reference_mask = AttentionMask(allowed, None, causal)
-    expected = reference_relational_attention(*inputs64, reference_mask, scaling, relation_scaling, h // h_kv)
+        reference_mask = AttentionMask(causal_and(mask, q_len, kv_len) if causal else mask, None, causal)
+    expected = reference_parts(*inputs64, reference_mask, scaling, relation_scaling)
     inputs = [t.detach().float().requires_grad_() for t in inputs64]
     query = inputs[0]
     if transpose_query:  # the model's layout: [b, q, h, d] storage viewed as [b, h, q, d]
         query = query.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
         inputs[0] = query
     values = inputs[2].expand(b, -1, -1, -1)
-    got = kernel.cpu_relational_attention(query, inputs[1], values, inputs[3], inputs[4].view(b, kv_len, R, -1),
-                                          causal, scaling, relation_scaling, mask)
+    got = kernel.relational_attention_op(query, inputs[1], values, inputs[3], inputs[4], causal, scaling,
+                                         relation_scaling, mask)
     gen = torch.Generator().manual_seed(11)
     grads_out = [torch.randn(e.shape, generator=gen, dtype=torch.float64) for e in expected]
     grads = torch.autograd.grad(got, inputs, [g.float() for g in grads_out])
@@ -107,11 +108,6 @@ def test_function_matches_reference(case, loaded):
     for g, e, name in zip(grads, grads64, ["query", "key", "symbol values", "relation queries", "relation keys"]):
         assert g.shape == e.shape, name
         assert_close(g.double(), e, atol=2e-5, rtol=2e-5, what=f"grad of {name}")
-
-
-def right_padding(b, kv_len, lengths):
-    """bool `[b, 1, 1, kv]`: row i's senders beyond lengths[i] are padding (every causal receiver keeps sender 0)."""
-    return (torch.arange(kv_len)[None] < torch.tensor(lengths)[:, None])[:, None, None]
 
 
 MASKED_CASES = {  # (spec, mask builder)
@@ -141,8 +137,7 @@ def test_receivers_without_senders_get_zeros_and_zero_gradients(loaded):
     inputs = [t.detach().float().requires_grad_() for t in make_inputs(b=b, q_len=q_len, kv_len=q_len)]
     mask = torch.ones(b, 1, q_len, q_len, dtype=torch.bool)
     mask[1, :, 4] = False  # receiver 4 of row 1 has no sender
-    symbols, relations = kernel.cpu_relational_attention(
-        inputs[0], inputs[1], inputs[2], inputs[3], inputs[4].view(b, q_len, R, -1), False, 0.3, 0.7, mask)
+    symbols, relations = kernel.relational_attention_op(*inputs, False, 0.3, 0.7, mask)
     assert torch.isfinite(symbols).all() and torch.isfinite(relations).all()
     assert (symbols[1, 4] == 0).all() and (relations[1, 4] == 0).all()
     grads = torch.autograd.grad((symbols.sum() + relations.sum()), inputs)
@@ -191,107 +186,7 @@ def test_bad_inputs_name_the_problem(loaded):
         op(q, k, v, qr, kr, torch.ones(2, 5, 5), True, 1.0, 1.0)
 
 
-# ---- model level -------------------------------------------------------------------------------------------------
-def KernelCalls(monkeypatch):
-    return CallCounter(monkeypatch, "cpu_relational_attention")
-
-
-def logits_and_grads(model, input_ids, **kwargs):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids, **kwargs)
-    out.logits.float().logsumexp(-1).mean().backward()
-    return out.logits.detach(), [p.grad for p in model.parameters() if p.requires_grad]
-
-
-def kernel_and_fused(monkeypatch, fn):
-    """fn() on the compiled kernel (asserting it ran) and on the fused path (kernel and tiled path off)."""
-    calls = KernelCalls(monkeypatch)
-    got = fn()
-    assert calls.calls > 0, "the CPU kernel was not taken"
-    monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
-    monkeypatch.setattr(RelationalAttention, "use_tiled_kernel", False)
-    before = calls.calls
-    expected = fn()
-    assert calls.calls == before
-    return got, expected
-
-
-@pytest.mark.parametrize("overrides", [dict(), dict(num_relational_key_value_heads=1, num_sensory_key_value_heads=1),
-                                       dict(symmetric_relations=True, num_relations=4),
-                                       dict(share_attention_params=True)],
-                         ids=["default", "gqa", "symmetric", "shared-attention-params"])
-def test_lm_kernel_equals_fused(overrides, loaded, monkeypatch):
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(**overrides))
-    x = torch.randint(0, model.config.vocab_size, (2, 37))
-    (logits_k, grads_k), (logits_f, grads_f) = kernel_and_fused(monkeypatch, lambda: logits_and_grads(model, x))
-    assert_close(logits_k, logits_f, atol=1e-5)
-    for g, e in zip(grads_k, grads_f):
-        assert_close(g, e, atol=1e-5, rtol=1e-4)
-
-
-MASKED_MODELS = {  # config overrides, whether the batch is left-padded
-    "left-padded-batch": (dict(), True),
-    "sliding-window": (dict(relational_bias="sliding_window", sliding_window_size=5), False),
-    "sparse-relational-padded": (dict(relational_heads_bias="sparse", sparse_block_size=4, sparse_global_tokens=1),
-                                 True),
-}
-
-
-@pytest.mark.parametrize("case", list(MASKED_MODELS))
-def test_lm_kernel_with_masks_equals_fused(case, loaded, monkeypatch):
-    overrides, padded = MASKED_MODELS[case]
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(**overrides))
-    x = torch.randint(0, model.config.vocab_size, (3, 29))
-    kwargs = {}
-    if padded:  # rows padded on the left by 0, 5 and 11 tokens (padded receivers have no sender: zero messages)
-        kwargs["attention_mask"] = (torch.arange(29)[None] >= torch.tensor([0, 5, 11])[:, None]).long()
-    (logits_k, grads_k), (logits_f, grads_f) = kernel_and_fused(
-        monkeypatch, lambda: logits_and_grads(model, x, **kwargs))
-    assert_close(logits_k, logits_f, atol=1e-5)
-    for g, e in zip(grads_k, grads_f):
-        assert_close(g, e, atol=1e-5, rtol=1e-4)
-
-
-def test_encoder_kernel_equals_fused(loaded, monkeypatch):
-    torch.manual_seed(1)
-    config = DATEncoderConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2,
-                              num_relational_heads=2, intermediate_size=64, num_symbols=8, symbolic_attention_heads=2,
-                              max_position_embeddings=64, num_labels=3)
-    model = DATForTokenClassification(config)
-    x = torch.randint(0, 50, (2, 21))
-    (logits_k, grads_k), (logits_f, grads_f) = kernel_and_fused(monkeypatch, lambda: logits_and_grads(model, x))
-    assert_close(logits_k, logits_f, atol=1e-5)
-    for g, e in zip(grads_k, grads_f):
-        if e is not None:
-            assert_close(g, e, atol=1e-5, rtol=1e-4)
-
-
-def test_dispatch(loaded, monkeypatch):
-    calls = KernelCalls(monkeypatch)
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config()).eval()
-    layers = model.config.num_hidden_layers
-    x = torch.randint(0, model.config.vocab_size, (2, 12))
-    with torch.no_grad():
-        model(x)
-        assert calls.calls == layers
-        model(x, attention_mask=torch.ones_like(x).index_fill_(1, torch.tensor([0]), 0))  # a bool padding mask
-        assert calls.calls == 2 * layers
-        model.set_attn_implementation("eager")
-        model(x, attention_mask=torch.ones_like(x).index_fill_(1, torch.tensor([0]), 0))  # additive float: tiled
-        model.set_attn_implementation("sdpa")
-        assert calls.calls == 2 * layers
-        model.double()(x)  # fp64: tiled path
-        assert calls.calls == 2 * layers
-        model.float()
-        monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
-        model(x)
-        assert calls.calls == 2 * layers
-
-
+# ---- torch.compile -------------------------------------------------------------------------------------------
 def test_torch_compile_calls_the_op(loaded):
     """The op is opaque to the compiler: the traced graph contains it, and compiled gradients equal eager ones."""
     torch.manual_seed(0)
@@ -324,15 +219,18 @@ DECODE_CASES = {
 }
 
 
-def decode_reference(inputs64, relation_proj, scaling, relation_scaling, groups, mask=None):
-    """fp64: the full relational attention of one receiver that sees every (unmasked) sender, then `+ relations
-    W_r`; a receiver without senders gets zeros."""
-    attention_mask = AttentionMask(None if mask is None else mask[:, None, None], None, False)
-    symbols, relations = reference_relational_attention(*inputs64, attention_mask, scaling, relation_scaling, groups)
-    out = symbols + torch.einsum("bqhr,hdr->bqhd", relations, relation_proj)
-    if mask is not None:
-        out = torch.where(mask.any(-1)[:, None, None, None], out, torch.zeros((), dtype=out.dtype))
-    return out
+def decode_reference(inputs64, relation_proj, scaling, relation_scaling, mask=None):
+    """float64: the reference's messages of one receiver that sees every (unmasked) sender (a receiver without
+    senders gets zeros)."""
+    query, key = inputs64[0], inputs64[1]
+    module = Heads(query.shape[1], key.shape[1], query.shape[3], relation_proj.shape[2], relation_proj=relation_proj)
+    allowed = None if mask is None else mask[:, None, None]
+    row_valid = None if mask is None else mask.any(-1)[:, None, None, None]
+    if row_valid is not None:
+        allowed = allowed | ~row_valid
+    out, _, _ = eager_relational_attention(module, *inputs64, AttentionMask(allowed, None, False), scaling,
+                                           relation_scaling)
+    return out if row_valid is None else out * row_valid.transpose(1, 2)
 
 
 def run_decode(spec, seed=0, mask=None):
@@ -340,13 +238,12 @@ def run_decode(spec, seed=0, mask=None):
     spec.setdefault("kv_len", 37)
     inputs64 = [t.detach() for t in make_inputs(seed=seed, **spec)]
     b, h, _, d = inputs64[0].shape
-    h_kv, kv_len, R = inputs64[1].shape[1], inputs64[1].shape[2], inputs64[3].shape[2]
+    R = inputs64[3].shape[2]
     relation_proj = torch.randn(h, d, R, generator=torch.Generator().manual_seed(seed + 5), dtype=torch.float64)
-    expected = decode_reference(inputs64, relation_proj, 0.37, 0.61, h // h_kv,
-                                None if mask is None else mask.expand(b, -1))
+    expected = decode_reference(inputs64, relation_proj, 0.37, 0.61, None if mask is None else mask.expand(b, -1))
     q, k, v, qr, kr = (t.float() for t in inputs64)
-    got = kernel.cpu_relational_decode(q, k, v.expand(b, -1, -1, -1), qr, kr.view(b, kv_len, R, -1),
-                                       relation_proj.float(), 0.37, 0.61, None if mask is None else mask[:, None, None])
+    got = kernel.relational_decode_op(q, k, v.expand(b, -1, -1, -1), qr, kr, relation_proj.float(), 0.37, 0.61,
+                                      None if mask is None else mask[:, None, None])
     return got, expected
 
 
@@ -394,9 +291,9 @@ def test_decode_reads_strided_views_of_a_packed_cache(loaded):
     flat = value_buffer[:, 0, :kv_len]
     values = flat[..., : h_kv * d].view(b, kv_len, h_kv, d).transpose(1, 2)
     k_rel = flat[..., h_kv * d:].view(b, kv_len, R, d_r)
-    got = kernel.cpu_relational_decode(query, key, values, q_rel, k_rel, relation_proj, 0.25, 0.5)
-    copies = [t.contiguous().double() for t in (query, key, values, q_rel, k_rel.reshape(b, kv_len, -1))]
-    expected = decode_reference(copies, relation_proj.double(), 0.25, 0.5, h // h_kv)
+    got = kernel.relational_decode_op(query, key, values, q_rel, k_rel, relation_proj, 0.25, 0.5)
+    copies = [t.contiguous().double() for t in (query, key, values, q_rel, k_rel)]
+    expected = decode_reference(copies, relation_proj.double(), 0.25, 0.5)
     assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
@@ -444,7 +341,7 @@ GENERATION_CASES = {
 
 
 @pytest.mark.parametrize("case", list(GENERATION_CASES))
-def test_generation_with_decode_op_equals_without(case, loaded, monkeypatch):
+def test_generation_with_decode_op_equals_reference(case, loaded):
     overrides, padded = GENERATION_CASES[case]
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(**overrides)).eval()
@@ -453,87 +350,55 @@ def test_generation_with_decode_op_equals_without(case, loaded, monkeypatch):
     if padded:  # the first prompt is 3 tokens shorter, padded on the left
         kwargs = dict(attention_mask=torch.ones_like(prompt).index_fill_(1, torch.arange(3), 0)
                       .index_fill_(0, torch.tensor([1]), 1), pad_token_id=0)
-    calls = CallCounter(monkeypatch, "cpu_relational_decode")
-    tokens, scores = greedy(model, prompt, **kwargs)
-    assert calls.calls == model.config.num_hidden_layers * 11  # every step after the prefill, every layer
-    monkeypatch.setattr(RelationalAttention, "use_cpu_kernel", False)
+    with count_backend_calls("cpu") as calls:
+        tokens, scores = greedy(model, prompt, **kwargs)
+    assert calls[0] == model.config.num_hidden_layers * 12  # the prefill and every later step, every layer
+    model.config.relational_attn_implementation = "eager"
     tokens_ref, scores_ref = greedy(model, prompt, **kwargs)
-    assert calls.calls == model.config.num_hidden_layers * 11
     assert torch.equal(tokens, tokens_ref)
     assert_close(scores, scores_ref, atol=1e-5)
 
 
-def test_decode_op_dispatch(loaded, monkeypatch):
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config())
-    calls = CallCounter(monkeypatch, "cpu_relational_decode")
-    prompt = torch.randint(0, model.config.vocab_size, (2, 6))
-    layers = model.config.num_hidden_layers
-    padding = torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0)
-
-    def one_step(**kwargs):
-        out = model(prompt, use_cache=True, **kwargs)
-        mask = kwargs.get("attention_mask")
-        if mask is not None:
-            kwargs["attention_mask"] = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        return model(prompt[:, :1], past_key_values=out.past_key_values, **kwargs).logits
-
-    def taken(**kwargs):
-        before = calls.calls
-        one_step(**kwargs)
-        return {0: False, layers: True}[calls.calls - before]
-
-    model.eval()
-    with torch.no_grad():
-        assert taken()
-        assert taken(attention_mask=padding)  # a bool padding mask goes to the op
-        model.double()
-        assert not taken()  # fp64: python
-        model.float()
-        model.set_attn_implementation("eager")
-        assert not taken(attention_mask=padding)  # eager builds additive float masks: python
-        model.set_attn_implementation("sdpa")
-    assert not taken()  # gradients enabled (the op has no backward): python
-
-
 # ---- the MLP's SwiGLU ops ----------------------------------------------------------------------------------------
 def test_swiglu_ops_match_autograd_in_fp64(loaded):
-    from dat_hf.relational_kernel_cpu import cpu_swiglu, cpu_swiglu_backward
-
     g = torch.Generator().manual_seed(0)
     gate = torch.randn(3, 7, 37, generator=g, dtype=torch.float64) * 4  # 37: a vector-width tail
     up, grad = torch.randn_like(gate), torch.randn_like(gate)
     gate_leaf, up_leaf = gate.clone().requires_grad_(), up.clone().requires_grad_()
     expected = torch.nn.functional.silu(gate_leaf) * up_leaf
     expected_grads = torch.autograd.grad(expected, (gate_leaf, up_leaf), grad)
-    out = cpu_swiglu(gate.float(), up.float())
-    grads = cpu_swiglu_backward(grad.float(), gate.float(), up.float())
+    out = kernel.swiglu_op(gate.float(), up.float())
+    grads = kernel.swiglu_backward_op(grad.float(), gate.float(), up.float())
     assert out.dtype == torch.float32 and out.shape == gate.shape
     assert (out.double() - expected).abs().max() < 1e-5
     for got, want in zip(grads, expected_grads):
         assert (got.double() - want).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match="swiglu: gate and up must be contiguous float32"):
-        cpu_swiglu(gate, up)  # float64
+        kernel.swiglu_op(gate, up)  # float64
 
 
 def test_mlp_training_takes_the_fused_swiglu(loaded, monkeypatch):
-    """A float32 CPU training step of the MLP runs the one-pass SwiGLU forward (also its recomputation) and backward,
-    and its gradients match the PyTorch path."""
+    """A float32 CPU training step of the MLP runs the registered recomputing kernel with the one-pass SwiGLU forward
+    (also its recomputation) and backward, and its gradients match the reference `activation_down_projection`."""
+    import dat_hf.kernels.mlp as mlp_kernels
     import dat_hf.modeling_dat as modeling
 
+    assert registered_kernels("activation_down_projection") == [
+        mlp_kernels.recomputed_activation_down_projection, mlp_kernels.fused_swiglu_down_projection]
     torch.manual_seed(0)
     mlp = modeling.DATMLP(tiny_config(intermediate_size=96)).train()
     x = torch.randn(2, 5, 32, requires_grad=True)
     grad = torch.randn(2, 5, 32)
     params = [x, *mlp.parameters()]
     calls = []
-    for name in ("cpu_swiglu", "cpu_swiglu_backward"):
-        original = getattr(modeling, name)
-        monkeypatch.setattr(modeling, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    for name in ("swiglu_op", "swiglu_backward_op"):
+        original = getattr(mlp_kernels, name)
+        monkeypatch.setattr(mlp_kernels, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     got = torch.autograd.grad(mlp(x), params, grad)
-    assert calls == ["cpu_swiglu", "cpu_swiglu", "cpu_swiglu_backward"]  # forward, recomputation, gradients
-    monkeypatch.setattr(modeling, "_fused_swiglu", lambda *args: False)
-    expected = torch.autograd.grad(mlp(x), params, grad)
+    assert calls == ["swiglu_op", "swiglu_op", "swiglu_backward_op"]  # forward, recomputation, gradients
+    up, gate = mlp.up_proj(x), mlp.gate_proj(x)
+    expected_out = modeling.activation_down_projection.reference(mlp.act_fn, gate, up, mlp.down_proj)
+    expected = torch.autograd.grad(expected_out, params, grad)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
@@ -552,35 +417,38 @@ def test_rope_op_matches_pytorch_in_fp64(cos_batch, loaded):
     (expected_grad,) = torch.autograd.grad(expected, leaf, grad)
     x32 = fused.float()[..., : 5 * 36].view(3, 7, 5, 36)
     assert not x32.is_contiguous()
-    out = kernel.cpu_rope(x32, cos.float(), sin.float())
+    out = kernel.rope_op(x32, cos.float(), sin.float())
     assert out.is_contiguous() and out.shape == x.shape
     assert (out.double() - expected).abs().max() < 1e-5
     # the gradient arrives as a transposed view (`[b, h, n, d]` memory), which the op reads in place
     grad32 = grad.float().transpose(1, 2).contiguous().transpose(1, 2)
-    got_grad = kernel.cpu_rope(grad32, cos.float(), sin.float(), transpose=True)
+    got_grad = kernel.rope_op(grad32, cos.float(), sin.float(), transpose=True)
     assert (got_grad.double() - expected_grad).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match=r"rope: x must be float32 \[b, n, heads, d\] \(even d\) with a contiguous"):
-        kernel.cpu_rope(x32.transpose(-1, -2), cos.float(), sin.float())  # last dim not contiguous
+        kernel.rope_op(x32.transpose(-1, -2), cos.float(), sin.float())  # last dim not contiguous
     with pytest.raises(RuntimeError, match=r"rope: cos and sin must be contiguous float32 \[b or 1, n, d\]"):
-        kernel.cpu_rope(x32, cos.float()[:, :5], sin.float()[:, :5])
+        kernel.rope_op(x32, cos.float()[:, :5], sin.float()[:, :5])
 
 
 def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
-    """A float32 CPU training step of dual attention rotates keys and queries with the compiled op (forward and the
-    transposed rotation backward), and its output and gradients match the PyTorch RoPE."""
+    """A float32 CPU training step of dual attention rotates keys and queries with the registered one-pass op (forward
+    and the transposed rotation backward), and its output and gradients match the reference `apply_rotary`."""
+    assert registered_kernels("rotary") == [kernel.cpu_rotary]
     torch.manual_seed(0)
     config = tiny_config()
     model = DATForCausalLM(config).train()
     ids = torch.randint(0, config.vocab_size, (2, 9))
     calls = []
-    original = da.cpu_rope
-    monkeypatch.setattr(da, "cpu_rope", lambda *a, **k: calls.append(k.get("transpose", False)) or original(*a, **k))
+    original = kernel.rope_op
+    monkeypatch.setattr(kernel, "rope_op", lambda *a, **k: calls.append(k.get("transpose", False)) or original(*a, **k))
     loss = model(ids, labels=ids).loss
     got = torch.autograd.grad(loss, list(model.parameters()))
     assert calls == [False] * config.num_hidden_layers + [True] * config.num_hidden_layers
-    monkeypatch.setattr(da, "_takes_cpu_rope", lambda *args: False)
+    monkeypatch.setattr(kernel, "accepts_rotary", lambda *args: False)
+    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
     expected_loss = model(ids, labels=ids).loss
     expected = torch.autograd.grad(expected_loss, list(model.parameters()))
+    assert len(calls) == 2 * config.num_hidden_layers
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

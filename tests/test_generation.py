@@ -15,7 +15,7 @@ from conftest import tiny_config
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from dat_hf import DATForCausalLM, DATForSequenceClassification
-from dat_hf.dual_attention import InPlaceCacheLayer
+from dat_hf.cache_dat import InPlaceCacheLayer
 
 ATOL = 1e-5
 
@@ -331,16 +331,15 @@ def test_output_attentions(name):
     # the explicit-weights path gives the same logits as the default (fused / sdpa) path
     torch.testing.assert_close(out.logits, model(ids).logits, atol=ATOL, rtol=0)
 
-    L = cfg.num_hidden_layers
+    L, h_s, h_r = cfg.num_hidden_layers, cfg.num_sensory_heads, cfg.num_relational_heads
+    # one tensor per layer covering every head that `num_attention_heads` counts, sensory heads first
     assert out.attentions is not None and len(out.attentions) == L
     for w in out.attentions:
-        _check_attention_weights(w, b, cfg.num_sensory_heads, n)
-    if cfg.num_relational_heads == 0:
-        assert not out.relational_attentions and not out.relations
+        _check_attention_weights(w, b, cfg.num_attention_heads, n)
+    if h_r == 0:
+        assert not out.relations
         return
-    assert len(out.relational_attentions) == L and len(out.relations) == L
-    for w in out.relational_attentions:
-        _check_attention_weights(w, b, cfg.num_relational_heads, n)
+    assert len(out.relations) == L
     for r in out.relations:
         assert r.shape == (b, cfg.relations, n, n)
         assert torch.isfinite(r).all()
@@ -351,11 +350,14 @@ def test_output_attentions(name):
             torch.testing.assert_close(r, r.transpose(-1, -2), atol=1e-6, rtol=0)
     if not cfg.symmetric_relations:
         assert not torch.allclose(out.relations[0], out.relations[0].transpose(-1, -2))
+    if h_s == 0:
+        return
     # sensory and relational heads have their own attention projections unless shared
+    sensory, relational = out.attentions[0][:, :h_s], out.attentions[0][:, h_s:]
     if cfg.share_attention_params:
-        torch.testing.assert_close(out.attentions[0], out.relational_attentions[0])
+        torch.testing.assert_close(sensory, relational)
     else:
-        assert not torch.allclose(out.attentions[0], out.relational_attentions[0])
+        assert not torch.allclose(sensory, relational)
 
 
 @torch.no_grad()
@@ -366,7 +368,8 @@ def test_output_attentions_with_left_padding():
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     out = model(ids, attention_mask=mask, output_attentions=True)
-    for w in out.attentions + out.relational_attentions:
+    for w in out.attentions:
+        assert w.shape[1] == model.config.num_attention_heads
         assert (w[0, :, 2:, :2] == 0).all()
         torch.testing.assert_close(w[0, :, 2:].sum(-1), torch.ones(w.shape[1], 3), atol=1e-5, rtol=0)
         assert torch.isfinite(w).all()

@@ -4,7 +4,7 @@ that backward recomputes gives the same gradients as keeping it."""
 import pytest
 import torch
 
-import dat_hf.dual_attention as dual_attention
+import dat_hf.relational_attention as relational_attention
 from dat_hf import DATForCausalLM
 from dat_hf.modeling_dat import DATMLP
 from dat_hf.symbol_retrieval import SymbolicAttention
@@ -31,14 +31,14 @@ def saved_bytes(model, seq_len, batch=2):
     return kept_bytes(lambda: model(x, labels=x))
 
 
-@pytest.mark.parametrize("path", ["cpu_kernel", "tiled", "fused"])
-def test_saved_activations_grow_linearly(path, monkeypatch):
-    """Doubling the sequence doubles what is kept for backward (no n x n term on any relational path)."""
-    monkeypatch.setattr(dual_attention.RelationalAttention, "use_cpu_kernel", path == "cpu_kernel")
-    monkeypatch.setattr(dual_attention.RelationalAttention, "use_tiled_kernel", path == "tiled")
-    monkeypatch.setattr(dual_attention, "TILED_MIN_PAIRS", 0)
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "eager"])
+def test_saved_activations_grow_linearly(backend, monkeypatch):
+    """Doubling the sequence doubles what is kept for backward (no n x n term on any relational backend; the
+    reference's blocks are made small so that it checkpoints several per sequence, as it does at long lengths)."""
+    monkeypatch.setattr(relational_attention, "BLOCK_ELEMENTS", 1 << 16)
     torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(max_position_embeddings=1024, vocab_size=16)).train()
+    config = tiny_config(max_position_embeddings=1024, vocab_size=16, relational_attn_implementation=backend)
+    model = DATForCausalLM(config).train()
     small, large = saved_bytes(model, 256), saved_bytes(model, 512)
     # an n x n float tensor per head would make this ratio ~4 at these sizes
     assert 1.8 < large / small < 2.2, (small, large)
@@ -70,8 +70,8 @@ def test_symbol_retrieval_recomputed_in_backward_matches_kept():
 @pytest.mark.parametrize("hidden_act, mlp_bias, fewer", [("swiglu", False, 2), ("swiglu", True, 2), ("gelu", True, 1),
                                                          ("relu", False, 0)])
 def test_mlp_recomputes_activation_in_backward(hidden_act, mlp_bias, fewer):
-    """`ActivationDownProjection` keeps only the gate/up outputs and gives the plain module's outputs and
-    gradients."""
+    """The registered `activation_down_projection` kernel (`dat_hf.kernels.mlp`) keeps only the gate/up outputs and
+    gives the reference's outputs and gradients."""
     torch.manual_seed(0)
     mlp = DATMLP(tiny_config(hidden_act=hidden_act, mlp_bias=mlp_bias, intermediate_size=96)).train()
     x = torch.randn(2, 5, mlp.up_proj.in_features, requires_grad=True)

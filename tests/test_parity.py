@@ -65,11 +65,15 @@ def _logits_close(reference, ours, seq_len=20, batch=2, seed=0):
     return (expected - got).abs().max().item()
 
 
+@pytest.mark.parametrize("backend", [None, "eager"], ids=["automatic", "eager-reference"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_language_model_parity(name):
+def test_language_model_parity(name, backend):
+    """With the automatic backend choice (the compiled CPU kernel where it applies) and with the package's reference
+    (`eager`) for every relational head."""
     torch.manual_seed(hash(name) % 1000)
     reference = DualAttnTransformerLM(**CONFIGS[name]).eval()
     ours = dat_hf.from_reference_model(reference)
+    ours.config.relational_attn_implementation = backend
     assert isinstance(ours, dat_hf.DATForCausalLM)
     assert _logits_close(reference, ours) < 1e-5
     # the full length of the reference's block size too
@@ -109,7 +113,7 @@ def test_rope_permutation_is_rotate_half_of_interleaved():
     """The row permutation turns the reference's interleaved-pair RoPE into rotate-half RoPE."""
     from dual_attention.attention_utils import apply_rotary_emb, precompute_freqs_cis
 
-    from dat_hf.dual_attention import DATRotaryEmbedding, apply_rotary_pos_emb
+    from dat_hf.dual_attention import DATRotaryEmbedding, apply_rotary
 
     head_dim, n = 8, 5
     q, k = torch.randn(1, n, 1, head_dim), torch.randn(1, n, 1, head_dim)
@@ -118,9 +122,9 @@ def test_rope_permutation_is_rotate_half_of_interleaved():
     perm = rope_permutation(1, head_dim)
     config = dat_hf.DATConfig(hidden_size=head_dim, num_sensory_heads=1, num_relational_heads=0, vocab_size=4)
     rope_cos, rope_sin = DATRotaryEmbedding(config)(q, torch.arange(n)[None])
-    oq, ok = apply_rotary_pos_emb(q[..., perm].transpose(1, 2), k[..., perm].transpose(1, 2), rope_cos, rope_sin)
-    assert torch.allclose(oq.transpose(1, 2), rq[..., perm], atol=1e-6)
-    assert torch.allclose(ok.transpose(1, 2), rk[..., perm], atol=1e-6)
+    oq, ok = apply_rotary(q[..., perm], rope_cos, rope_sin), apply_rotary(k[..., perm], rope_cos, rope_sin)
+    assert torch.allclose(oq, rq[..., perm], atol=1e-6)
+    assert torch.allclose(ok, rk[..., perm], atol=1e-6)
 
 
 def test_convert_script_round_trips_authors_hub_folder(tmp_path):

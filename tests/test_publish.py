@@ -15,8 +15,9 @@ from dat_hf import DATForCausalLM
 from dat_hf.training import load_preset_config
 
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "masking_dat.py", "symbol_retrieval.py",
-            "relational_kernel_cpu.py", "README.md"}
+            "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
+            "relational_attention_fused.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
+            "kernel_hooks.py", "README.md"}
 REPO_ID = "someone/dat-tiny-shakespeare"
 
 

@@ -400,7 +400,7 @@ def test_graph_non_neighbour_invariance(seed, impl, encoder, retrieval):
 # ---- isolated receivers -------------------------------------------------------------------------------------------
 def record_dual_attention(model):
     outputs = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: outputs.append(out))
+    hooks = [m.register_forward_hook(lambda mod, args, out: outputs.append(out[0]))
              for m in model.modules() if isinstance(m, DualAttention)]
     return outputs, hooks
 
@@ -431,7 +431,8 @@ def test_isolated_rows_zero_and_finite(dtype, impl, retrieval):
         assert torch.equal(o[1], torch.zeros_like(o[1]))
         assert o[0, 3].abs().max() > 0
     assert all(torch.isfinite(h).all() for h in out.hidden_states) and torch.isfinite(out.last_hidden_state).all()
-    for weights in out.attentions + out.relational_attentions:
+    for weights in out.attentions:
+        assert weights.shape[1] == 4  # every head: 2 sensory, then 2 relational
         assert torch.isfinite(weights).all()
         assert weights[0, :, 2].abs().max() == 0 and weights[1].abs().max() == 0
 
@@ -465,7 +466,7 @@ def test_isolated_rows_dual_attention_direct(dtype):
     mask = masking_dat.build_attention_mask("graph", config, x, None, graph_adjacency=adj, causal=False)
     symbols = torch.randn(1, n, 32).to(dtype)
     with torch.no_grad():
-        out = attn(x, symbols, sensory_mask=mask, relational_mask=mask)
+        out, _, _ = attn(x, symbols, sensory_mask=mask, relational_mask=mask)
     assert torch.isfinite(out).all()
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
     assert out[0, 1:].abs().amax(-1).min() > 0
@@ -548,11 +549,14 @@ def test_relational_heads_bias_applies_to_relational_heads(seed, impl, sensory, 
                        sliding_window_size=p)
     with torch.no_grad():
         out = model(inputs_embeds=embeds(seed, n), output_attentions=True)
-    assert len(out.attentions) == len(out.relational_attentions) == len(out.relations) == 2
+    assert len(out.attentions) == len(out.relations) == 2
+    h_s = model.config.num_sensory_heads  # attentions: every head, sensory heads first
+    sensory_weights = [w[:, :h_s] for w in out.attentions]
+    relational_weights = [w[:, h_s:] for w in out.attentions]
     outside = torch.ones(n, n, dtype=torch.bool).tril(-p - 1)  # j < i - p
     future = torch.ones(n, n, dtype=torch.bool).triu(1)
-    windowed, causal = ((out.attentions, out.relational_attentions) if sensory == "sliding_window"
-                        else (out.relational_attentions, out.attentions))
+    windowed, causal = ((sensory_weights, relational_weights) if sensory == "sliding_window"
+                        else (relational_weights, sensory_weights))
     for w_win, w_causal in zip(windowed, causal):
         assert w_win[..., outside].abs().max() == 0
         assert w_causal[..., outside].abs().min() > 0

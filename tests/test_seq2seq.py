@@ -300,10 +300,12 @@ def test_output_attentions():
     x, mask = padded_batch(50)
     out = model(input_ids=x, attention_mask=mask, decoder_input_ids=torch.full((3, 4), 2), output_attentions=True,
                 output_hidden_states=True)
-    assert len(out.encoder_attentions) == 2 and out.encoder_attentions[0].shape == (3, 2, 9, 9)
-    assert len(out.decoder_attentions) == 2 and out.decoder_attentions[0].shape == (3, 2, 4, 4)
-    assert len(out.cross_attentions) == 2 and out.cross_attentions[0].shape == (3, 2, 4, 9)
-    assert len(out.encoder_relational_attentions) == 2 and len(out.decoder_relational_attentions) == 2
+    # every head (2 sensory, then 2 relational) of the self-attention and of the dual cross-attention
+    assert len(out.encoder_attentions) == 2 and out.encoder_attentions[0].shape == (3, 4, 9, 9)
+    assert len(out.decoder_attentions) == 2 and out.decoder_attentions[0].shape == (3, 4, 4, 4)
+    assert len(out.cross_attentions) == 2 and out.cross_attentions[0].shape == (3, 4, 4, 9)
+    assert len(out.encoder_relations) == 2 and out.encoder_relations[0].shape == (3, 2, 9, 9)
+    assert len(out.decoder_relations) == 2 and out.decoder_relations[0].shape == (3, 2, 4, 4)
     assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 3
     # padded source tokens get no cross-attention
     assert out.cross_attentions[0][2, :, :, 4:].abs().max() == 0

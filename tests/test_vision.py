@@ -198,8 +198,9 @@ def test_outputs_attentions_and_backward(overrides):
                 output_hidden_states=True)
     assert out.logits.shape == (2, 3)
     assert len(out.hidden_states) == 3 and out.hidden_states[-1].shape == (2, 17, 32)
+    assert out.attentions[0].shape == (2, model.config.num_attention_heads, 17, 17)
     if model.config.num_relational_heads:
-        assert out.relational_attentions[0].shape == (2, 2, 17, 17)
+        assert out.relations[0].shape == (2, model.config.relations, 17, 17)
     out.loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
@@ -303,7 +304,8 @@ def test_2d_relative_symbols_match_a_slow_loop(kv_heads):
         q = module.q_attn_proj(x).view(b, n, -1, hd).transpose(1, 2)
         k = module.k_attn_proj(x).view(b, n, -1, hd).transpose(1, 2)
         q_rel = module.q_rel_proj(x).view(b, n, module.num_relations, module.relation_dim)
-        k_rel, sv = module.k_rel_proj(x), module.project_symbols(table, b)
+        k_rel = module.k_rel_proj(x).view(b, n, module.num_relations, module.relation_dim)
+        sv = module.project_symbols(table)
         mask = AttentionMask(None, None, False)
         fast, _, _ = module(q, k, sv, q_rel, k_rel, mask, relative_position_index=index)
         slow = _slow_relational_attention(module, x, table, index)

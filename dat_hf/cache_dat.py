@@ -1,0 +1,86 @@
+"""Cache layers for DAT decoding (PyTorch only).
+
+One cache layer per DAT layer holds both head types (see `DualAttention`): keys `[b, h_kv_s + h_kv_r, n, d_h]` and
+one flat value slot `[b, 1, n, width]`. `InPlaceCacheLayer` appends a decoding step without copying the cache.
+"""
+
+from functools import partial
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+class InPlaceCacheLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room: appending a decoding step
+    copies the new token only, where `DynamicLayer` concatenates (copies) the whole cache every step.
+
+    Buffers start at `capacity` (generate's maximum length) or at what the first update needs, and double when full.
+    Anything else that replaces `keys`/`values` (crop, beam reordering, batch selection, device moves, other dtypes)
+    is noticed at the next update, which then copies into fresh buffers, so a view handed out earlier is never
+    overwritten.
+    """
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__()
+        self.capacity = capacity
+        self._length = 0
+        self._buffers = None  # (keys `[..., capacity, d_k]`, values `[..., capacity, d_v]`)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._owns(length, key_states, value_states):
+            self._reallocate(length, length + new, key_states, value_states)
+        key_buffer, value_buffer = self._buffers
+        key_buffer[..., length:length + new, :].copy_(key_states)
+        value_buffer[..., length:length + new, :].copy_(value_states)
+        self.keys, self.values = key_buffer[..., :length + new, :], value_buffer[..., :length + new, :]
+        self._length = length + new
+        return self.keys, self.values
+
+    def _owns(self, length, key_states, value_states) -> bool:
+        """Whether `keys`/`values` are still this layer's prefix views, with room for the new states."""
+        if self._buffers is None or length != self._length:
+            return False
+        for cached, buffer, new in zip((self.keys, self.values), self._buffers, (key_states, value_states)):
+            if (cached.data_ptr() != buffer.data_ptr() or cached.stride() != buffer.stride()
+                    or new.shape[:-2] != buffer.shape[:-2] or new.shape[-1] != buffer.shape[-1]
+                    or new.dtype != buffer.dtype or new.device != buffer.device
+                    or length + new.shape[-2] > buffer.shape[-2]):
+                return False
+        return True
+
+    def _reallocate(self, length, needed, key_states, value_states):
+        capacity = max(needed, self.capacity or 0)
+        if self._buffers is not None and needed > (self.capacity or 0):
+            capacity = max(capacity, 2 * needed)  # growing past the hint: double
+        buffers = []
+        for cached, new in ((self.keys, key_states), (self.values, value_states)):
+            dtype = new.dtype if length == 0 else torch.promote_types(cached.dtype, new.dtype)
+            buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1], dtype=dtype)
+            if length > 0:
+                buffer[..., :length, :].copy_(cached)
+            buffers.append(buffer)
+        self._buffers = tuple(buffers)
+
+    def reset(self) -> None:
+        self._buffers, self._length = None, 0
+        super().reset()
+
+
+def use_in_place_cache_layers(cache, capacity: int | None = None):
+    """Give a fresh `DynamicCache` (not offloaded) `InPlaceCacheLayer`s in place of its empty `DynamicLayer`s;
+    `capacity` is the longest sequence expected (the buffers grow past it if needed). Returns `cache`."""
+    if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is DynamicLayer and not layer.is_initialized:
+                cache.layers[i] = InPlaceCacheLayer(capacity)
+        if cache.layer_class_to_replicate is DynamicLayer:
+            cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
+    return cache
+
+
+__all__ = ["InPlaceCacheLayer", "use_in_place_cache_layers"]

@@ -1,0 +1,46 @@
+"""Where compiled kernels plug into the model files, for the few functions that are not attention.
+
+`@replaceable("name")` marks a PyTorch function of the model files (the reference: RoPE, the MLP's activation and
+down projection); `register_kernel("name", function, accepts)` (called by `dat_hf.kernels` when `dat_hf` is
+imported) adds an implementation for the inputs where `accepts(*args)` is true. A call runs the first registered
+implementation that accepts its inputs, else the reference. This is Transformers' `use_kernel_func_from_hub` idea,
+local and without downloads: a model loaded as Hub remote code, without `dat_hf`, runs the references.
+Relational attention has its own registry of named backends (`relational_attention.py`).
+"""
+
+import functools
+from collections.abc import Callable
+
+_KERNELS: dict[str, list[tuple[Callable, Callable[..., bool]]]] = {}
+
+
+def register_kernel(name: str, function: Callable, accepts: Callable[..., bool]) -> None:
+    """Add `function` as an implementation of the replaceable function `name`, used when `accepts(*args, **kwargs)`
+    is true (registering the same function again replaces its entry)."""
+    kernels = [entry for entry in _KERNELS.get(name, []) if entry[0] is not function]
+    _KERNELS[name] = kernels + [(function, accepts)]
+
+
+def registered_kernels(name: str) -> list[Callable]:
+    """The implementations registered for `name`, in the order they are tried."""
+    return [function for function, _ in _KERNELS.get(name, [])]
+
+
+def replaceable(name: str):
+    """Decorator: the function is the reference implementation of `name`; registered kernels may replace it."""
+
+    def decorator(reference: Callable) -> Callable:
+        @functools.wraps(reference)
+        def dispatch(*args, **kwargs):
+            for function, accepts in _KERNELS.get(name, ()):
+                if accepts(*args, **kwargs):
+                    return function(*args, **kwargs)
+            return reference(*args, **kwargs)
+
+        dispatch.reference = reference
+        return dispatch
+
+    return decorator
+
+
+__all__ = ["register_kernel", "registered_kernels", "replaceable"]

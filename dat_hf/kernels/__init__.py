@@ -1,0 +1,17 @@
+"""Compiled kernels for dat_hf, registered with the model files' registries when `dat_hf` is imported.
+
+The model files never import this package, so a model loaded as Hub remote code without `dat_hf` runs the PyTorch
+backends (`eager`, `sdpa`, `flex_attention`) and the reference functions.
+
+- `cpu`: relational attention for CPU float32 (backend `"cpu"`: flash-style forward and backward, one-op decoding
+  step), RoPE and the MLP's SwiGLU in one pass each; C++ sources in `csrc/`, built on first use (`cpu_build`).
+- `mlp`: the MLP's activation recomputed in backward (any device), with the SwiGLU op on CPU.
+"""
+
+from . import cpu, mlp
+from .cpu import cpu_kernel_ready, load_cpu_kernel
+
+cpu.register()
+mlp.register()
+
+__all__ = ["cpu_kernel_ready", "load_cpu_kernel"]

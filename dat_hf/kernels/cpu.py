@@ -1,0 +1,238 @@
+"""The compiled CPU kernels (float32) as dat_hf backends: relational attention, RoPE, the MLP's SwiGLU.
+
+Relational attention (`csrc/relational_attention.cpp`), backend `"cpu"`: flash-style, one block of 64 receivers at
+a time with an online softmax over blocks of 256 senders; per block it computes the attention scores of every head,
+the relations `rel_l = q_rel,l k_rel,l^T` once for all heads (`R d_r + h R` multiply-adds per pair, where fused
+values cost `h (d_h + R d_r)`), and both aggregations, in L2-sized scratch: nothing `[q, kv]`-sized is stored.
+Backward recomputes each block from the saved log-sum-exp:
+
+    dP = dSymbols v^T + sum_l dRelations_l rel_l      D_i = <dSymbols_i, symbols_i> + <dRelations_i, relations_i>
+    dS = P (dP - D)                                   d rel_l = sum_h P_h dRelations_h,l
+
+A bool mask `[b|1, q|1, kv]` (padding, relational biases) applies per block on top of causal order. A decoding step
+(one receiver per row, no gradients) is one op that also applies `W_r`, reading the packed cache in place. Matrix
+products go to the BLAS inside PyTorch (`sgemm_`), element-wise work to `at::vec`. The ops are `torch.library`
+operators with fake (meta) kernels and an autograd formula, so `torch.compile` graphs call them as opaque kernels.
+
+RoPE and SwiGLU (`csrc/swiglu_rope.cpp`): one pass each way instead of PyTorch's 3-5 element-wise passes.
+"""
+
+import torch
+
+from ..kernel_hooks import register_kernel
+from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
+from .cpu_build import build_extension
+
+_READY = [False]
+
+
+def cpu_kernel_ready() -> bool:
+    """Whether the kernels are loaded in this process (no side effects; safe inside `torch.compile`)."""
+    return _READY[0]
+
+
+def load_cpu_kernel() -> bool:
+    """Build (once per machine) and load the kernels if needed, never while `torch.compile` traces; True when they
+    are usable."""
+    if _READY[0]:
+        return True
+    if torch.compiler.is_compiling() or not build_extension():
+        return False
+    _register_python_side()
+    _READY[0] = True
+    return True
+
+
+def _register_python_side():
+    """Fake (meta) kernels for tracing and the autograd formula of the forward op."""
+
+    @torch.library.register_fake("dat_hf::relational_attention_forward")
+    def _forward_fake(query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling):
+        b, h, n, d = query.shape
+        return query.new_empty(b, n, h, d), query.new_empty(b, n, h, q_rel.shape[2]), query.new_empty(b, h, n)
+
+    @torch.library.register_fake("dat_hf::relational_attention_backward")
+    def _backward_fake(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse,
+                       mask, causal, scaling, relation_scaling):
+        return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
+
+    @torch.library.register_fake("dat_hf::relational_attention_decode")
+    def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, mask, scaling, relation_scaling):
+        return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+
+    @torch.library.register_fake("dat_hf::swiglu_forward")
+    def _swiglu_fake(gate, up):
+        return gate.new_empty(gate.shape)
+
+    @torch.library.register_fake("dat_hf::swiglu_backward")
+    def _swiglu_backward_fake(grad, gate, up):
+        return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+    @torch.library.register_fake("dat_hf::rope")
+    def _rope_fake(x, cos, sin, transpose):
+        return x.new_empty(x.shape)
+
+    def setup_context(ctx, inputs, output):
+        query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling = inputs
+        symbols, relations, lse = output
+        ctx.save_for_backward(query, key, values, q_rel, k_rel, symbols, relations, lse, mask)
+        ctx.options = (causal, scaling, relation_scaling)
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, grad_symbols, grad_relations, _grad_lse):
+        query, key, values, q_rel, k_rel, symbols, relations, lse, mask = ctx.saved_tensors
+        grad_symbols = torch.zeros_like(symbols) if grad_symbols is None else grad_symbols
+        grad_relations = torch.zeros_like(relations) if grad_relations is None else grad_relations
+        grads = torch.ops.dat_hf.relational_attention_backward(
+            grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, mask, *ctx.options)
+        return (*grads, None, None, None, None)
+
+    torch.library.register_autograd("dat_hf::relational_attention_forward", backward, setup_context=setup_context)
+
+
+# ---- relational attention ----------------------------------------------------------------------------------------
+def _kernel_layout(x):
+    """Last dim contiguous and rows at least that wide (BLAS leading dimensions); a copy only when needed."""
+    return x if x.stride(-1) == 1 and x.stride(-2) >= x.shape[-1] else x.contiguous()
+
+
+def _kernel_mask(mask):
+    """bool `[b|1, 1, q|1, kv]` (True = attend) -> the kernels' `[b|1, q|1, kv]` with a contiguous last dim (or
+    None)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(f"the relational kernels take a bool [b|1, 1, q|1, kv] mask, got {mask.dtype} "
+                         f"{list(mask.shape)}")
+    mask = mask[:, 0]
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
+
+
+def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scaling: float, relation_scaling: float,
+                            mask=None):
+    """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
+    expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, all float32 on CPU;
+    causal: receiver i sees senders j <= kv - q + i; mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, on top of
+    causal; a receiver without senders gets zeros) -> attended symbols `[b, q, h, d_h]`, attended relations
+    `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
+    symbols, relations, _ = torch.ops.dat_hf.relational_attention_forward(
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), _kernel_mask(mask), causal, scaling,
+        relation_scaling)
+    return symbols, relations
+
+
+def relational_decode_op(query, key, values, q_rel, k_rel, relation_proj, scaling: float, relation_scaling: float,
+                         mask=None):
+    """One decoding step of the relational heads (no autograd): query `[b, h, 1, d_h]`, key and symbol values
+    `[b, h_kv, kv, d_h]`, relation queries `[b, 1, R, d_r]`, relation keys `[b, kv, R, d_r]`, relation_proj (W_r)
+    `[h, d_h, R]`, float32 on CPU; mask None or bool `[b|1, 1, 1, kv]` (True = attend; a row with no sender gets
+    zeros) -> messages `[b, 1, h, d_h]`: `sum_j a_ij (s_j W_s + r(x_i, x_j) W_r)` per head."""
+    return torch.ops.dat_hf.relational_attention_decode(
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), relation_proj.contiguous(),
+        _kernel_mask(mask), scaling, relation_scaling)
+
+
+def cpu_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
+                             scaling, relation_scaling, dropout=0.0, **kwargs):
+    """The `"cpu"` backend (signature and outputs as `eager_relational_attention`)."""
+    symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
+    if query.shape[2] == 1 and not (torch.is_grad_enabled() and query.requires_grad):
+        messages = relational_decode_op(query, key, symbol_values, relation_queries, relation_keys,
+                                        module.relation_proj, scaling, relation_scaling, attention_mask.mask)
+        return messages, None, None
+    attended_symbols, attended_relations = relational_attention_op(
+        query, key, symbol_values, relation_queries, relation_keys, attention_mask.is_causal, scaling,
+        relation_scaling, attention_mask.mask)
+    # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
+    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, module.relation_proj), None, None
+
+
+def supports_cpu(call: RelationalCall) -> str | None:
+    """What the compiled CPU kernel runs: float32 on CPU (no autocast), identity relations, symbols per sender, no
+    attention dropout or weights, no mask or a bool one; the kernel builds (a C++ compiler is needed)."""
+    if call.device != "cpu" or call.dtype != torch.float32 or call.autocast:
+        return "the CPU kernel runs float32 on CPU (no autocast)"
+    if call.output_attentions:
+        return "it does not return attention weights (use 'eager')"
+    if call.relation_activation != "identity" or call.relative_symbols:
+        return "the CPU kernel needs the identity relation activation and symbols per sender"
+    if call.dropout > 0:
+        return "the CPU kernel has no attention dropout"
+    mask = call.mask.mask
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
+        return "the CPU kernel takes no mask or a bool [b|1, 1, q|1, kv] one"
+    if not load_cpu_kernel():
+        return "the CPU kernel is not built (no C++ compiler, DAT_HF_CPU_KERNEL=0, or inside torch.compile)"
+    return None
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------------------
+def rope_op(x, cos, sin, transpose: bool = False):
+    """RoPE (rotate-half convention) in one pass (no autograd): x `[b, n, heads, d]` (a contiguous last dim, any other
+    strides), cos, sin `[b|1, n, d]`, float32 on CPU -> contiguous `x cos + rotate_half(x) sin`; `transpose=True`
+    applies the transposed rotation (the gradient w.r.t. x)."""
+    return torch.ops.dat_hf.rope(x, cos.contiguous(), sin.contiguous(), transpose)
+
+
+class RotaryFunction(torch.autograd.Function):
+    """`apply_rotary` through the one-pass op, forward and backward (the gradient is the transposed rotation).
+    x `[b, n, h, d]` (contiguous last dim), cos, sin `[b|1, n, d]` (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rope_op(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return rope_op(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, transpose=True), None, None
+
+
+def cpu_rotary(x, cos, sin):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return RotaryFunction.apply(x, cos, sin)
+    return rope_op(x, cos, sin)
+
+
+def accepts_rotary(x, cos, sin) -> bool:
+    b, n, _, d = x.shape
+    return (
+        x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32 and d % 2 == 0
+        and x.stride(-1) == 1 and cos.shape == sin.shape and cos.dim() == 3
+        and cos.shape[0] in (1, b) and tuple(cos.shape[1:]) == (n, d)
+        and not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+        and not torch.compiler.is_compiling() and load_cpu_kernel()
+    )
+
+
+# ---- SwiGLU -------------------------------------------------------------------------------------------------------
+def swiglu_op(gate, up):
+    """`silu(gate) * up` in one pass (no autograd): float32 CPU tensors of one shape -> that shape."""
+    return torch.ops.dat_hf.swiglu_forward(gate.contiguous(), up.contiguous())
+
+
+def swiglu_backward_op(grad, gate, up):
+    """Gradients of `silu(gate) * up` w.r.t. gate and up in one pass: float32 CPU tensors of one shape."""
+    return torch.ops.dat_hf.swiglu_backward(grad.contiguous(), gate.contiguous(), up.contiguous())
+
+
+def takes_swiglu_op(act_fn, gate, up) -> bool:
+    """Whether `act(gate) * up` is SwiGLU on float32 CPU tensors in eager mode with the ops built."""
+    from transformers.activations import SiLUActivation
+
+    return (
+        up is not None and isinstance(act_fn, SiLUActivation) and gate.dtype == up.dtype == torch.float32
+        and gate.device.type == "cpu" and not torch.compiler.is_compiling() and load_cpu_kernel()
+    )
+
+
+def register():
+    """Register the CPU backend and kernels with the model files' registries."""
+    RELATIONAL_ATTENTION_FUNCTIONS.register("cpu", cpu_relational_attention, supports_cpu, preferred_on=("cpu",))
+    register_kernel("rotary", cpu_rotary, accepts_rotary)
+
+
+__all__ = ["cpu_relational_attention", "relational_attention_op", "relational_decode_op", "rope_op", "swiglu_op",
+           "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel", "cpu_kernel_ready"]

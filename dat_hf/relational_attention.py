@@ -1,0 +1,239 @@
+"""Relational attention: the reference implementation, and the registry of named backends that compute the same.
+
+For receiver i and relational head h (Altabaa & Lafferty, 2024):
+
+    A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)                            messages   [b, q, h, d_h]
+    a^h   = softmax(scaling (x W_q^h)(x W_k^h)^T + mask)                           weights    [b, h, q, kv]
+    r(x_i, x_j)_l = act(relation_scaling <x_i W_{q,l}^rel, x_j W_{k,l}^rel>)       relations  [b, R, q, kv]
+
+Every backend has the signature of `eager_relational_attention`: it takes what `RelationalAttention` projected
+(queries and keys with RoPE applied) and `module` (for `relation_proj` = W_r `[h, d_h, R]`, `relation_act`,
+`num_key_value_groups`, `max_relative_position`, `training`), and returns (messages, weights or None, relations or
+None). Backends are chosen by `select_relational_attention`: `config.relational_attn_implementation` when set (an
+unsupported call then raises), else the fastest registered backend that supports the call (compiled kernels that
+`dat_hf.kernels` registers for their device, then `config._attn_implementation`'s own, then `eager`).
+"""
+
+import logging
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .masking_dat import AttentionMask
+from .relational_attention_fused import flex_relational_attention, sdpa_relational_attention
+
+logger = logging.getLogger(__name__)
+
+# receivers per block of the reference are chosen so that one block's scores and relations stay below this many
+# elements (memory linear in the sequence length)
+BLOCK_ELEMENTS = 1 << 22
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA: each key/value head serves `n_rep` query heads)."""
+    if n_rep == 1:
+        return hidden_states
+    b, h, n, d = hidden_states.shape
+    return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+
+
+# ---- the reference ---------------------------------------------------------------------------------------------
+def eager_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys,
+                               attention_mask: AttentionMask, scaling: float, relation_scaling: float,
+                               dropout: float = 0.0, output_attentions: bool = False,
+                               relative_position_index: torch.Tensor | None = None, **kwargs):
+    """Relational attention with explicit weights and relations, one block of receivers at a time.
+
+    query `[b, h, q, d_h]`, key `[b, h_kv, kv, d_h]`, symbol values `[b|1, h_kv, kv, d_h]` (or the position-relative
+    table `[P, h_kv, d_h]`: pair (i, j) uses row `clip(j - i, -K, K) + K`, or `relative_position_index[i, j]`),
+    relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]` -> messages `[b, q, h, d_h]`, and with
+    `output_attentions` the weights `[b, h, q, kv]` and relations `[b, R, q, kv]`. In training the blocks are
+    recomputed in backward (activation checkpointing), so memory stays linear in the sequence length.
+    """
+    b, h, q_len, _ = query.shape
+    kv_len, num_relations = key.shape[2], relation_queries.shape[2]
+    groups = module.num_key_value_groups
+    key = repeat_kv(key, groups)
+    if symbol_values.dim() == 3:  # position-relative table
+        symbol_values = symbol_values.repeat_interleave(groups, dim=1)  # [P, h, d_h]
+    else:
+        symbol_values = repeat_kv(symbol_values, groups).expand(b, -1, -1, -1)
+    block = q_len if output_attentions else max(1, min(q_len, BLOCK_ELEMENTS // (b * (h + num_relations) * kv_len)))
+    checkpointed = module.training and torch.is_grad_enabled() and block < q_len
+    outputs = []
+    for start in range(0, q_len, block):
+        end = min(q_len, start + block)
+        args = (module, query[:, :, start:end], key, symbol_values, relation_queries[:, start:end], relation_keys,
+                attention_mask.dense(q_len, kv_len, query.device, start, end),
+                _symbol_rows(module, relative_position_index, start, end, q_len, kv_len, query.device),
+                scaling, relation_scaling, dropout, output_attentions)
+        if checkpointed:
+            outputs.append(torch.utils.checkpoint.checkpoint(_attend_block, *args, use_reentrant=False))
+        else:
+            outputs.append(_attend_block(*args))
+    messages, weights, relations = zip(*outputs)
+    messages = torch.cat(messages, dim=1)
+    if not output_attentions:
+        return messages, None, None
+    return messages, torch.cat(weights, dim=2), torch.cat(relations, dim=2)
+
+
+def _attend_block(module, query, key, symbol_values, q_rel, k_rel, mask, symbol_index, scaling, relation_scaling,
+                  dropout, output_attentions):
+    """One block of m receivers: query `[b, h, m, d_h]` -> messages `[b, m, h, d_h]` (+ weights `[b, h, m, kv]`,
+    relations `[b, R, m, kv]` when asked)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    weights = weights.to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    # r_l(x_i, x_j) for the block's receivers: [b, R, m, kv]
+    relations = torch.einsum("bqrd,bkrd->brqk", q_rel, k_rel) * relation_scaling
+    if module.relation_act is not None:
+        relations = module.relation_act(relations)
+    attended_relations = torch.einsum("bhqk,brqk->bqhr", weights, relations)
+    if symbol_index is None:
+        attended_symbols = torch.matmul(weights, symbol_values).transpose(1, 2)  # [b, m, h, d_h]
+    else:  # bin the weights by table row, then mix the table: no [m, kv, d_h] tensor
+        binned = weights.new_zeros(*weights.shape[:3], symbol_values.shape[0])
+        binned.scatter_add_(-1, symbol_index.expand_as(weights), weights)
+        attended_symbols = torch.einsum("bhqp,phd->bqhd", binned, symbol_values)
+    # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
+    messages = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations,
+                                               module.relation_proj.to(query.dtype))
+    return messages, (weights if output_attentions else None), (relations if output_attentions else None)
+
+
+def _symbol_rows(module, relative_position_index, start: int, end: int, q_len: int, kv_len: int, device):
+    """Rows of the position-relative symbol table for receivers [start, end) (long `[m, kv]`), or None."""
+    if not module.relative_symbols:
+        return None
+    if relative_position_index is not None:  # precomputed bins (e.g. 2-D offsets on an image grid)
+        return relative_position_index[start:end].to(device)
+    clip = module.max_relative_position
+    receivers = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
+    return (torch.arange(kv_len, device=device)[None, :] - receivers).clamp(-clip, clip) + clip
+
+
+# ---- the registry ----------------------------------------------------------------------------------------------
+class RelationalCall(NamedTuple):
+    """What a backend may need to know to say whether it can run a call."""
+
+    device: str  # "cpu", "cuda", ...
+    dtype: torch.dtype  # of the queries (the autocast dtype under autocast)
+    query_length: int
+    requires_grad: bool  # gradients will flow through the attention
+    output_attentions: bool
+    relation_activation: str  # "identity" or an activation name
+    relative_symbols: bool  # position-relative symbol table instead of per-sender symbol values
+    dropout: float  # attention dropout of this call (0 in eval)
+    mask: AttentionMask
+    autocast: bool
+    compiling: bool  # inside `torch.compile` tracing
+
+    @classmethod
+    def of(cls, module, query, mask: AttentionMask, output_attentions: bool) -> "RelationalCall":
+        device = query.device.type
+        autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
+        dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
+        requires_grad = torch.is_grad_enabled() and (query.requires_grad or module.relation_proj.requires_grad)
+        return cls(device, dtype, query.shape[2], requires_grad, output_attentions, module.relation_activation,
+                   module.relative_symbols, module.attention_dropout if module.training else 0.0, mask, autocast,
+                   torch.compiler.is_compiling())
+
+
+class RelationalBackend(NamedTuple):
+    """A registered backend: its function, `supports(call) -> None` when it can run the call (else the reason why
+    not), and the devices on which automatic selection tries it before the configured implementation."""
+
+    function: Callable
+    supports: Callable[[RelationalCall], str | None]
+    preferred_on: tuple[str, ...] = ()
+
+
+def _fused_values_limits(call: RelationalCall) -> str | None:
+    """What the fused-values backends (sdpa, flex) need: identity relations and symbols per sender."""
+    if call.output_attentions:
+        return "it does not return attention weights (use 'eager')"
+    if call.relation_activation != "identity":
+        return f"relation_activation={call.relation_activation!r} needs explicit relations (only 'identity' fuses)"
+    if call.relative_symbols:
+        return "position-relative symbols need per-pair symbol rows (explicit weights)"
+    return None
+
+
+def _supports_flex(call: RelationalCall) -> str | None:
+    if (reason := _fused_values_limits(call)) is not None:
+        return reason
+    if call.dropout > 0:
+        return "flex_attention has no attention dropout"
+    if call.device == "cpu" and call.requires_grad:
+        return "flex_attention has no backward on CPU in PyTorch"
+    if call.device == "cpu" and call.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return "flex_attention on CPU runs float32, float16 or bfloat16"
+    if call.mask.block_mask is None and (call.mask.mask is not None or call.mask.is_causal):
+        return "the masks were built without a BlockMask (set attn_implementation='flex_attention')"
+    return None
+
+
+class RelationalAttentionInterface(dict):
+    """Named relational attention backends (`eager`, `sdpa`, `flex_attention`, and compiled ones registered by
+    `dat_hf.kernels`), like Transformers' `ALL_ATTENTION_FUNCTIONS`."""
+
+    def register(self, name: str, function: Callable, supports: Callable[[RelationalCall], str | None],
+                 preferred_on: tuple[str, ...] = ()) -> None:
+        self[name] = RelationalBackend(function, supports, tuple(preferred_on))
+
+    def backend(self, name: str) -> RelationalBackend:
+        if name not in self:
+            raise ValueError(f"Unknown relational attention backend {name!r}; registered: {sorted(self)} (compiled "
+                             "backends are registered by `import dat_hf`).")
+        return self[name]
+
+
+RELATIONAL_ATTENTION_FUNCTIONS = RelationalAttentionInterface()
+RELATIONAL_ATTENTION_FUNCTIONS.register("eager", eager_relational_attention, lambda call: None)
+RELATIONAL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_relational_attention, _fused_values_limits)
+RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attention, _supports_flex)
+
+
+def _candidates(attn_implementation: str | None, call: RelationalCall) -> list[str]:
+    """Backends in the order automatic selection tries them. Decoding steps (one receiver per row) skip the fused
+    values: the explicit step reads each cached relation key once, fused values would copy them for every head."""
+    if attn_implementation == "eager":
+        return ["eager"]
+    compiled = [name for name, backend in RELATIONAL_ATTENTION_FUNCTIONS.items() if call.device in backend.preferred_on]
+    if call.query_length == 1:
+        return compiled + ["eager"]
+    first = ["flex_attention"] if attn_implementation == "flex_attention" else []
+    return first + compiled + ["sdpa", "eager"]
+
+
+def select_relational_attention(module, query, mask: AttentionMask, output_attentions: bool = False) -> str:
+    """The name of the backend that runs this call of `module` (a `RelationalAttention`), recorded as
+    `module.relational_attention_backend` (outside `torch.compile`) and logged at debug level."""
+    call = RelationalCall.of(module, query, mask, output_attentions)
+    requested = getattr(module.config, "relational_attn_implementation", None)
+    if requested is not None:
+        reason = RELATIONAL_ATTENTION_FUNCTIONS.backend(requested).supports(call)
+        if reason is not None:
+            raise ValueError(f"`relational_attn_implementation={requested!r}` cannot run this call: {reason}.")
+        name = requested
+    elif output_attentions:
+        name = "eager"  # the only backend that returns weights and relations
+    else:
+        name = next(name for name in _candidates(module.config._attn_implementation, call)
+                    if name in RELATIONAL_ATTENTION_FUNCTIONS
+                    and RELATIONAL_ATTENTION_FUNCTIONS[name].supports(call) is None)
+    if not call.compiling:
+        if getattr(module, "relational_attention_backend", None) != name:
+            logger.debug("dat_hf: layer %s relational heads -> %s", module.layer_idx, name)
+        module.relational_attention_backend = name
+    return name
+
+
+__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend", "RelationalCall",
+           "eager_relational_attention", "repeat_kv", "select_relational_attention"]
