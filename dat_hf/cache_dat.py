@@ -1,13 +1,16 @@
 """Cache layers for DAT decoding (PyTorch only).
 
 One cache layer per DAT layer holds both head types (see `DualAttention`): keys `[b, h_kv_s + h_kv_r, n, d_h]` and
-one flat value slot `[b, 1, n, width]`. `InPlaceCacheLayer` appends a decoding step without copying the cache.
+one flat value slot `[b, 1, n, width]` (sensory values | symbol values | relation keys), so keys and values have
+their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decoding step without copying the cache;
+`DATStaticLayer` (for `StaticCache`, `cache_implementation="static"`, `torch.compile`) preallocates both.
+`prepare_cache` gives a fresh cache these layers.
 """
 
 from functools import partial
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer
 
 
 class InPlaceCacheLayer(DynamicLayer):
@@ -71,16 +74,55 @@ class InPlaceCacheLayer(DynamicLayer):
         super().reset()
 
 
-def use_in_place_cache_layers(cache, capacity: int | None = None):
-    """Give a fresh `DynamicCache` (not offloaded) `InPlaceCacheLayer`s in place of its empty `DynamicLayer`s;
-    `capacity` is the longest sequence expected (the buffers grow past it if needed). Returns `cache`."""
-    if type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+class DATStaticLayer(StaticLayer):
+    """A `StaticLayer` whose values have their own head count: keys `[b, h_kv, max_len, d_h]`, values
+    `[b, 1, max_len, width]` (`StaticLayer` sizes both from the keys' heads)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        self.keys = key_states.new_zeros(self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim)
+        self.values = value_states.new_zeros(self.batch_size, value_states.shape[1], self.max_cache_len,
+                                             self.v_head_dim)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():  # fixed addresses: no graph breaks or cudagraph skips on updates
+            for tensor in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+
+def prepare_cache(cache: Cache | None, capacity: int | None = None) -> Cache | None:
+    """Give a fresh cache DAT's layers: `InPlaceCacheLayer`s in a `DynamicCache` (not offloaded; `capacity` is the
+    longest sequence expected, the buffers grow past it if needed), `DATStaticLayer`s in a `StaticCache`; both halves
+    of an `EncoderDecoderCache`. Layers already in use are left alone. Returns `cache`."""
+    if isinstance(cache, EncoderDecoderCache):
+        prepare_cache(cache.self_attention_cache, capacity)
+        prepare_cache(cache.cross_attention_cache)
+    elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
         for i, layer in enumerate(cache.layers):
             if type(layer) is DynamicLayer and not layer.is_initialized:
                 cache.layers[i] = InPlaceCacheLayer(capacity)
         if cache.layer_class_to_replicate is DynamicLayer:
             cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
+    elif isinstance(cache, StaticCache):
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is StaticLayer and not layer.is_initialized:
+                cache.layers[i] = DATStaticLayer(layer.max_cache_len)
     return cache
 
 
-__all__ = ["InPlaceCacheLayer", "use_in_place_cache_layers"]
+def check_cache(cache: Cache) -> None:
+    """Raise for caches whose layers cannot hold DAT's packed keys and values."""
+    caches = [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [
+        cache]
+    for part in caches:
+        for layer in part.layers:
+            if isinstance(layer, StaticLayer) and not isinstance(layer, DATStaticLayer):
+                raise ValueError(
+                    f"This cache's {type(layer).__name__}s were filled by another model: DAT caches need their own "
+                    "layers (keys and values with different head counts); pass a fresh cache."
+                )
+
+
+__all__ = ["DATStaticLayer", "InPlaceCacheLayer", "check_cache", "prepare_cache"]

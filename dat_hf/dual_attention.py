@@ -133,6 +133,8 @@ class SensoryAttention(nn.Module):
         self.o_proj.residual_init = True
 
     def forward(self, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
+        senders = mask.senders_in_view(query.shape[2], key.shape[2])
+        key, value = key[:, :, :senders], value[:, :, :senders]
         attention_interface: Callable = eager_attention_forward
         if not output_attentions:  # fused kernels do not return weights
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
@@ -196,14 +198,20 @@ class RelationalAttention(nn.Module):
         return self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
 
     def forward(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
-                output_attentions=False, relative_position_index=None, **kwargs):
+                output_attentions=False, relative_position_index=None, query_offset=None, **kwargs):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
-        each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
+        each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid);
+        `query_offset`: the cache index of the first receiver (default `kv - q`)."""
+        senders = mask.senders_in_view(query.shape[2], key.shape[2])
+        key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
+        if not self.relative_symbols:
+            symbol_values = symbol_values[:, :, :senders]
         backend = select_relational_attention(self, query, mask, output_attentions)
         messages, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
             self, query, key, symbol_values, relation_queries, relation_keys, mask, scaling=self.scaling,
             relation_scaling=self.relation_scaling, dropout=self.attention_dropout if self.training else 0.0,
             output_attentions=output_attentions, relative_position_index=relative_position_index,
+            query_offset=query_offset,
         )
         messages, weights = _zero_isolated(mask, messages, weights)
         return self.o_proj(messages.reshape(*messages.shape[:2], -1)), weights, relations
@@ -281,6 +289,10 @@ class DualAttention(nn.Module):
             else:
                 values.append(relational.symbol_proj(symbols).expand(b, n, -1))
             values.append(parts[-1])
+        query_offset = None  # position-relative symbols need the receivers' cache index (a static cache is longer)
+        if past_key_values is not None and relational is not None and relational.relative_symbols:
+            # (a copy: a static layer counts its length in a tensor that the update below increments in place)
+            query_offset = torch.as_tensor(past_key_values.get_seq_length(self.layer_idx)).clone()
         if past_key_values is not None:
             value_cache = torch.cat(values, dim=-1) if len(values) > 1 else values[0]
             key_cache, value_cache = past_key_values.update(key_cache, value_cache[:, None], self.layer_idx)
@@ -302,7 +314,8 @@ class DualAttention(nn.Module):
                 symbol_values = values[-2]
             out_r, weights_r, relations = relational(
                 q_r, k_r, symbol_values, relation_queries, values[-1], relational_mask,
-                output_attentions=output_attentions, relative_position_index=relative_position_index, **kwargs)
+                output_attentions=output_attentions, relative_position_index=relative_position_index,
+                query_offset=query_offset, **kwargs)
             outputs.append(out_r)
             weights.append(weights_r)
         out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]

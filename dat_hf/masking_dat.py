@@ -22,8 +22,10 @@ from transformers.masking_utils import create_bidirectional_mask, create_causal_
 class AttentionMask(NamedTuple):
     """One relational bias as the attention functions take it, plus which receivers have any sender.
 
-    mask: None (no masking, or plain causal order when `is_causal`: receiver i at position kv - q + i sees senders
-        up to there), bool `[b|1, 1, q, kv]` (True = attend) or, from a user's 4-D mask, additive float.
+    mask: None (no masking, or, when `is_causal`, plain causal order as Transformers' masks leave it implicit:
+        receiver i sees senders j <= i, and a single receiver (a decoding step) sees every sender; senders past the
+        receivers are then empty slots of a static cache, see `senders_in_view`), bool `[b|1, 1, q, kv]` (True =
+        attend) or, from a user's 4-D mask, additive float.
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
     is_causal: whether a None mask means causal.
     block_mask: the same graph as a FlexAttention `BlockMask` (only when the model uses `flex_attention`).
@@ -40,11 +42,15 @@ class AttentionMask(NamedTuple):
         end = q_len if end is None else end
         if self.mask is not None:
             return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
-        if not self.is_causal:
+        if not self.is_causal or q_len == 1:
             return None
-        # receiver i sits at position kv_len - q_len + i (after a cache) and sees senders up to there
-        positions = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
+        positions = torch.arange(start, end, device=device)[:, None]  # receiver i sees senders j <= i
         return (torch.arange(kv_len, device=device)[None, :] <= positions)[None, None]
+
+    def senders_in_view(self, q_len: int, kv_len: int) -> int:
+        """How many senders (from the first) any receiver can see: `q_len` for an implicit causal mask over more
+        senders (a prefill into a static cache, whose later slots are empty), else `kv_len`."""
+        return q_len if self.mask is None and self.is_causal and 1 < q_len < kv_len else kv_len
 
 
 def _window_function(window: int, two_sided: bool):
@@ -76,8 +82,9 @@ def _sparse_function(config, device, positions=None):
         edges[index[:, 0], index[:, 1]] = True
 
     def sparse_fn(batch_idx, head_idx, q_idx, kv_idx):
-        if positions is not None:
-            q_idx, kv_idx = positions[batch_idx, q_idx], positions[batch_idx, kv_idx]
+        if positions is not None:  # (a static cache's slots beyond the padding mask hold no tokens yet)
+            last = positions.shape[1] - 1
+            q_idx, kv_idx = positions[batch_idx, q_idx.clamp(max=last)], positions[batch_idx, kv_idx.clamp(max=last)]
         allowed = q_idx == kv_idx
         if block is not None:
             allowed = allowed | (torch.div(q_idx, block, rounding_mode="floor") == torch.div(kv_idx, block, rounding_mode="floor"))
@@ -192,6 +199,16 @@ def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, enc
     return _with_row_validity(dense, is_causal=False, block_mask=block)
 
 
+def prebuilt_masks(masks: dict, biases, causal=True) -> dict[str, AttentionMask]:
+    """`{bias: dense mask or None}` built ahead (e.g. by `create_masks_for_generate` for a compiled decoding step)
+    -> `{bias: AttentionMask}`."""
+    missing = set(biases) - set(masks)
+    if missing:
+        raise ValueError(f"`attention_mask` as a dict must hold a mask for every relational bias; missing {missing}.")
+    return {bias: _with_row_validity(masks[bias], is_causal=bias in ("causal", "sliding_window") or (
+        causal and bias != "full")) for bias in dict.fromkeys(biases)}
+
+
 def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
                 graph_adjacency=None, causal=True) -> dict[str, AttentionMask]:
     """Build every distinct bias used by a model once per forward: {bias name: AttentionMask}."""
@@ -202,5 +219,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=N
     }
 
 
-__all__ = ["AttentionMask", "build_attention_mask", "build_cross_attention_mask", "build_masks",
+__all__ = ["AttentionMask", "build_attention_mask", "prebuilt_masks", "build_cross_attention_mask", "build_masks",
            "check_graph_adjacency"]

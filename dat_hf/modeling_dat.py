@@ -36,10 +36,10 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig, DATEncoderConfig
-from .cache_dat import use_in_place_cache_layers
+from .cache_dat import check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import replaceable
-from .masking_dat import build_masks, check_graph_adjacency
+from .masking_dat import build_masks, check_graph_adjacency, prebuilt_masks
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
@@ -150,15 +150,18 @@ def add_positions(module, hidden_states, position_ids, position_embedding_type):
 
 def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
                       graph_adjacency=None, causal=True):
-    """Every layer's (sensory, relational) biases and their masks, each distinct bias built once per forward."""
+    """Every layer's (sensory, relational) biases and their masks, each distinct bias built once per forward (or
+    given: a dict `{bias: mask}` from `create_masks_for_generate`)."""
     layer_biases = config.layer_biases()
+    biases = [bias for pair in layer_biases for bias in pair]
+    if isinstance(attention_mask, dict):
+        return layer_biases, prebuilt_masks(attention_mask, biases, causal)
     if any("graph" in pair for pair in layer_biases):
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if past_seen > 0:
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
             raise ValueError("The `graph` relational bias does not support a KV cache (the graph is per input).")
         check_graph_adjacency(graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1])
-    masks = build_masks([bias for pair in layer_biases for bias in pair], config, inputs_embeds, attention_mask,
-                        past_key_values, position_ids, graph_adjacency, causal=causal)
+    masks = build_masks(biases, config, inputs_embeds, attention_mask, past_key_values, position_ids, graph_adjacency,
+                        causal=causal)
     return layer_biases, masks
 
 
@@ -221,7 +224,7 @@ class DATPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     # FlashAttention's kernels take no arbitrary masks (relational biases) and no value widths beyond the key width
     _supports_flash_attn = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
     _supports_attention_backend = False
     _can_record_outputs = {
         "hidden_states": DATDecoderLayer,
@@ -346,14 +349,9 @@ class DATModel(DATPreTrainedModel):
         kwargs.pop("output_hidden_states", None)
 
         if starts_cache(self, use_cache, past_key_values):
-            past_key_values = use_in_place_cache_layers(DynamicCache(config=self.config))
-        if past_key_values is not None and not isinstance(past_key_values, DynamicCache):
-            # each layer's cache packs keys and values of different widths (see DualAttention), which fixed-shape
-            # caches cannot hold
-            raise ValueError(
-                f"DAT models need a `DynamicCache`, got {type(past_key_values).__name__} (e.g. "
-                "`cache_implementation='static'` is not supported)."
-            )
+            past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
+            check_cache(prepare_cache(past_key_values))
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
@@ -376,7 +374,7 @@ class DATModel(DATPreTrainedModel):
     # ---- input checks ------------------------------------------------------------------------------------------
     @staticmethod
     def _check_attention_mask(attention_mask, batch_size, total_len):
-        if attention_mask is None or attention_mask.dim() == 4:
+        if attention_mask is None or isinstance(attention_mask, dict) or attention_mask.dim() == 4:
             return
         if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_len):
             raise ValueError(
@@ -386,7 +384,7 @@ class DATModel(DATPreTrainedModel):
 
     @staticmethod
     def _default_position_ids(attention_mask, batch_size, seq_len, past_seen, device):
-        if attention_mask is not None and attention_mask.dim() == 2:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             # left padding: positions count real tokens only
             positions = attention_mask.long().cumsum(-1) - 1
             return positions.clamp(min=0)[:, -seq_len:]
@@ -411,8 +409,10 @@ class DATModel(DATPreTrainedModel):
 
 
 class DATGenerationMixin(GenerationMixin):
-    """`GenerationMixin` whose own `DynamicCache` (the decoder self-attention cache) gets in-place layers sized for
-    the whole generation: one token is copied per step instead of the whole cache. A user's cache is left alone."""
+    """`GenerationMixin` with DAT's cache layers in the caches `generate` makes (in-place `DynamicCache` layers sized
+    for the whole generation, `StaticCache` layers whose keys and values have their own head counts), and, for
+    compileable caches, masks of every relational bias built before the compiled forward (`create_masks_for_generate`).
+    A user's cache gets DAT's layers in the model's forward."""
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
@@ -420,7 +420,16 @@ class DATGenerationMixin(GenerationMixin):
                                               max_cache_length)
         cache = model_kwargs.get("past_key_values")
         if cache is not None and not getattr(cache, "_is_user_defined", False):
-            use_in_place_cache_layers(getattr(cache, "self_attention_cache", cache), max_cache_length)
+            prepare_cache(cache, max_cache_length)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
+                                  **kwargs):
+        """`{bias: mask}` for every relational bias of the decoder (dense bool `[b, 1, q, max_len]` or None), from the
+        2-D padding mask: what the forward would build, made outside the compiled graph."""
+        decoder_config = config.get_text_config(decoder=True)
+        biases = {bias for pair in decoder_config.layer_biases() for bias in pair}
+        masks = build_masks(biases, decoder_config, inputs_embeds, attention_mask, past_key_values, position_ids)
+        return {bias: mask.mask for bias, mask in masks.items()}
 
 
 class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):

@@ -38,7 +38,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .cache_dat import use_in_place_cache_layers
+from .cache_dat import check_cache, prepare_cache
 from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, fused_linear
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
@@ -88,6 +88,15 @@ class StackConfig:
 
     def __setattr__(self, name, value):
         raise AttributeError("StackConfig is read-only; change the model's config instead.")
+
+    # read at every forward (the attention implementations): plain properties, which `torch.compile` traces
+    @property
+    def _attn_implementation(self):
+        return self._base._attn_implementation
+
+    @property
+    def relational_attn_implementation(self):
+        return self._base.relational_attn_implementation
 
 
 def encoder_stack_config(config: DATSeq2SeqConfig) -> StackConfig:
@@ -467,10 +476,11 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             kwargs.pop(key, None)
 
         if starts_cache(self, use_cache, past_key_values):
-            past_key_values = EncoderDecoderCache(use_in_place_cache_layers(DynamicCache(config=self.config)),
-                                                  DynamicCache(config=self.config))
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
+        if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
+            check_cache(prepare_cache(past_key_values))
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
         past_seen = self_cache.get_seq_length() if self_cache is not None else 0
         DATModel._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)

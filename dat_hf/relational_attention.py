@@ -43,11 +43,12 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 def eager_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys,
                                attention_mask: AttentionMask, scaling: float, relation_scaling: float,
                                dropout: float = 0.0, output_attentions: bool = False,
-                               relative_position_index: torch.Tensor | None = None, **kwargs):
+                               relative_position_index: torch.Tensor | None = None, query_offset=None, **kwargs):
     """Relational attention with explicit weights and relations, one block of receivers at a time.
 
     query `[b, h, q, d_h]`, key `[b, h_kv, kv, d_h]`, symbol values `[b|1, h_kv, kv, d_h]` (or the position-relative
-    table `[P, h_kv, d_h]`: pair (i, j) uses row `clip(j - i, -K, K) + K`, or `relative_position_index[i, j]`),
+    table `[P, h_kv, d_h]`: pair (i, j) uses row `clip(j - (query_offset + i), -K, K) + K`, where `query_offset` is
+    the cache index of the first receiver (default `kv - q`), or `relative_position_index[i, j]`),
     relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]` -> messages `[b, q, h, d_h]`, and with
     `output_attentions` the weights `[b, h, q, kv]` and relations `[b, R, q, kv]`. In training the blocks are
     recomputed in backward (activation checkpointing), so memory stays linear in the sequence length.
@@ -67,7 +68,7 @@ def eager_relational_attention(module, query, key, symbol_values, relation_queri
         end = min(q_len, start + block)
         args = (module, query[:, :, start:end], key, symbol_values, relation_queries[:, start:end], relation_keys,
                 attention_mask.dense(q_len, kv_len, query.device, start, end),
-                _symbol_rows(module, relative_position_index, start, end, q_len, kv_len, query.device),
+                _symbol_rows(module, relative_position_index, query_offset, start, end, q_len, kv_len, query.device),
                 scaling, relation_scaling, dropout, output_attentions)
         if checkpointed:
             outputs.append(torch.utils.checkpoint.checkpoint(_attend_block, *args, use_reentrant=False))
@@ -107,14 +108,16 @@ def _attend_block(module, query, key, symbol_values, q_rel, k_rel, mask, symbol_
     return messages, (weights if output_attentions else None), (relations if output_attentions else None)
 
 
-def _symbol_rows(module, relative_position_index, start: int, end: int, q_len: int, kv_len: int, device):
+def _symbol_rows(module, relative_position_index, query_offset, start: int, end: int, q_len: int, kv_len: int,
+                 device):
     """Rows of the position-relative symbol table for receivers [start, end) (long `[m, kv]`), or None."""
     if not module.relative_symbols:
         return None
     if relative_position_index is not None:  # precomputed bins (e.g. 2-D offsets on an image grid)
         return relative_position_index[start:end].to(device)
     clip = module.max_relative_position
-    receivers = torch.arange(start, end, device=device)[:, None] + (kv_len - q_len)
+    offset = kv_len - q_len if query_offset is None else query_offset
+    receivers = torch.arange(start, end, device=device)[:, None] + offset
     return (torch.arange(kv_len, device=device)[None, :] - receivers).clamp(-clip, clip) + clip
 
 

@@ -29,9 +29,6 @@ def _fused_values_attention(interface: str, module, query, key, symbol_values, r
         pad = value.shape[-1] - d
         query, key = nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
         attention_mask = mask.mask
-        if attention_mask is None and mask.is_causal and 1 < q_len < kv_len:
-            # SDPA's causal flag aligns the first receiver with the first sender: after a cache, say it explicitly
-            attention_mask = mask.dense(q_len, kv_len, query.device)
     else:
         attention_mask = mask.block_mask
     out, _ = ALL_ATTENTION_FUNCTIONS[interface](

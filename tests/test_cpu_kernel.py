@@ -80,9 +80,9 @@ def run_kernel_and_reference(spec, seed=0, transpose_query=False, mask=None):
     inputs64 = make_inputs(seed=seed, **spec)
     b, q_len, kv_len = inputs64[0].shape[0], inputs64[0].shape[2], inputs64[1].shape[2]
     scaling, relation_scaling = 0.37, 0.61
-    reference_mask = AttentionMask(None, None, causal)
-    if mask is not None:
-        reference_mask = AttentionMask(causal_and(mask, q_len, kv_len) if causal else mask, None, causal)
+    # the op's causal order: receiver i at position kv - q + i (explicit for the reference)
+    allowed = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool) if mask is None else mask
+    reference_mask = AttentionMask(causal_and(allowed, q_len, kv_len) if causal else mask, None, causal)
     expected = reference_parts(*inputs64, reference_mask, scaling, relation_scaling)
     inputs = [t.detach().float().requires_grad_() for t in inputs64]
     query = inputs[0]

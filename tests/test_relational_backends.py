@@ -67,8 +67,8 @@ def test_reference_is_the_formula(case, block_elements, monkeypatch):
     P = 5 if case == "relative-1d-tanh" else 11
     inputs = make_inputs(b, h, module.relation_proj.shape[0] // module.num_key_value_groups, q_len, kv_len, d, R, 4,
                          relative_rows=P if relative else None)
-    allowed = causal_and(torch.ones(b, q_len, kv_len, dtype=torch.bool), q_len, kv_len)
-    mask = AttentionMask(None, None, True)
+    allowed = causal_and(torch.ones(b, q_len, kv_len, dtype=torch.bool), q_len, kv_len)  # after a cache
+    mask = AttentionMask(allowed[:, None], None, True)
     index = None
     if case == "bool-mask-relu":
         allowed = random_bool_mask(b, q_len, kv_len)[:, 0]
@@ -105,9 +105,13 @@ def test_reference_is_the_formula(case, block_elements, monkeypatch):
 # ---- every backend against the reference -------------------------------------------------------------------------
 def _mask(kind, b, q_len, kv_len):
     """(AttentionMask without a BlockMask, allowed bool `[b|1, 1, q, kv]` or None for no masking)."""
-    if kind == "causal":
+    if kind == "causal":  # implicit (Transformers leaves it so when kv == q, or for one receiver)
+        assert kv_len == q_len or q_len == 1
         return AttentionMask(None, None, True), causal_and(torch.ones(1, 1, q_len, kv_len, dtype=torch.bool),
                                                            q_len, kv_len)
+    if kind == "causal-after-cache":  # a prefill after a cache: explicit, receiver i at position kv - q + i
+        allowed = causal_and(torch.ones(1, 1, q_len, kv_len, dtype=torch.bool), q_len, kv_len)
+        return AttentionMask(allowed, None, True), allowed
     if kind == "none":
         return AttentionMask(None, None, False), None
     if kind == "bool":
@@ -143,7 +147,7 @@ def with_block_mask(mask: AttentionMask, allowed, b, q_len, kv_len):
 
 CASES = {
     "causal": dict(mask="causal"),
-    "causal-after-cache": dict(kv_len=15, mask="causal"),
+    "causal-after-cache": dict(kv_len=15, mask="causal-after-cache"),
     "full": dict(mask="none"),
     "full-kv-shorter": dict(kv_len=7, mask="none"),
     "bool-mask": dict(kv_len=12, mask="bool"),
@@ -155,7 +159,7 @@ CASES = {
     "gqa-1-bool": dict(h_kv=1, kv_len=12, mask="bool"),
     "symbols-batch-1": dict(symbol_batch=1, mask="causal"),
     "one-relation-batch-3": dict(b=3, R=1, d_r=7, mask="causal"),
-    "crosses-kernel-blocks": dict(b=1, q_len=150, kv_len=300, d=8, R=2, d_r=4, mask="causal"),
+    "crosses-kernel-blocks": dict(b=1, q_len=150, kv_len=300, d=8, R=2, d_r=4, mask="causal-after-cache"),
     "decoding-step": dict(q_len=1, kv_len=17, mask="causal"),
     "decoding-step-padding": dict(b=3, q_len=1, kv_len=13, mask="padding"),
     "relu-relations": dict(activation="relu", mask="causal"),

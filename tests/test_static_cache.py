@@ -1,0 +1,142 @@
+"""`cache_implementation="static"` and compiled decoding.
+
+- greedy generation with a `StaticCache` gives the tokens of the default (dynamic) cache, for the causal LM over
+  relational biases, GQA, left padding, non-identity relations and position-relative symbols (the reference
+  backend), and for the seq2seq model with dual cross-attention;
+- `generate(..., cache_implementation="static", compile_config=CompileConfig(fullgraph=True))` traces the decoding
+  step as one graph (no graph break) that serves every step (no recompilation), same tokens;
+- a `StaticCache` passed by the user gets DAT's layers; one filled by another model is refused with a clear error.
+"""
+
+import pytest
+import torch
+from conftest import tiny_config
+from transformers import CompileConfig, StaticCache
+from transformers.cache_utils import StaticLayer
+
+from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
+from dat_hf.cache_dat import DATStaticLayer
+
+LM_CASES = {
+    "default": (dict(), False),
+    "gqa-left-padded": (dict(num_relational_key_value_heads=1, num_sensory_key_value_heads=1), True),
+    "sliding-window": (dict(relational_bias="sliding_window", sliding_window_size=3), True),
+    "sparse-relational": (dict(relational_heads_bias="sparse", sparse_block_size=4, sparse_global_tokens=1), True),
+    "relu-relations": (dict(relation_activation="relu"), False),
+    "position-relative-symbols": (dict(symbol_retrieval="position_relative"), False),
+}
+
+
+def prompt_and_mask(padded, batch=2, n=7):
+    torch.manual_seed(1)
+    prompt = torch.randint(1, 97, (batch, n))
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[0, :3] = 0
+    return prompt, mask
+
+
+def greedy(model, prompt, mask, **kwargs):
+    """(tokens, the logits of every step)."""
+    out = model.generate(prompt, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits)
+
+
+def assert_same_generation(got, expected):
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=0)  # the logits, not only their argmax
+
+
+@pytest.mark.parametrize("name", list(LM_CASES))
+def test_static_cache_generation_equals_dynamic(name):
+    overrides, padded = LM_CASES[name]
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(**overrides)).eval()
+    prompt, mask = prompt_and_mask(padded)
+    expected = greedy(model, prompt, mask)
+    got = greedy(model, prompt, mask, cache_implementation="static")
+    assert_same_generation(got, expected)
+
+
+def seq2seq_model():
+    torch.manual_seed(3)
+    config = DATSeq2SeqConfig(vocab_size=40, hidden_size=32, encoder_layers=2, num_hidden_layers=2,
+                              num_sensory_heads=2, num_relational_heads=2, cross_attention="dual",
+                              intermediate_size=64, num_symbols=8, symbolic_attention_heads=2,
+                              decoder_start_token_id=1, pad_token_id=0, relational_heads_bias="sliding_window",
+                              sliding_window_size=3)
+    return DATForSeq2SeqLM(config).eval()
+
+
+def test_seq2seq_static_cache_generation_equals_dynamic():
+    model = seq2seq_model()
+    source = torch.randint(2, 40, (2, 9))
+    mask = torch.ones_like(source)
+    mask[1, 6:] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    expected = model.generate(source, **kwargs)
+    got = model.generate(source, cache_implementation="static", **kwargs)
+    assert_same_generation((got.sequences, torch.stack(got.logits)), (expected.sequences, torch.stack(expected.logits)))
+
+
+def compile_config():
+    """Compiled decoding on this CPU machine: Dynamo traces the whole step (`fullgraph`), the eager backend runs it
+    (what is checked here is the graph; inductor's code generation is what `scripts/benchmark.py` times)."""
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.fixture
+def dynamo_counters():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["sliding-window", "relu-relations"])
+def test_compiled_static_decoding_is_one_graph(name, dynamo_counters):
+    overrides, padded = LM_CASES[name]
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(**overrides)).eval()
+    prompt, mask = prompt_and_mask(padded)
+    expected = greedy(model, prompt, mask)
+    got = greedy(model, prompt, mask, cache_implementation="static", compile_config=compile_config())
+    assert_same_generation(got, expected)
+    assert dict(dynamo_counters["graph_break"]) == {}
+    assert dynamo_counters["stats"]["unique_graphs"] == 1  # one trace served all nine decoding steps
+
+
+def test_compiled_seq2seq_static_decoding_is_one_graph(dynamo_counters):
+    model = seq2seq_model()
+    source = torch.randint(2, 40, (2, 9))
+    expected = model.generate(source, max_new_tokens=8, do_sample=False)
+    got = model.generate(source, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                         compile_config=compile_config())
+    assert torch.equal(got, expected)
+    assert dict(dynamo_counters["graph_break"]) == {}
+    assert dynamo_counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_users_static_cache():
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config()).eval()
+    prompt, mask = prompt_and_mask(False)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        logits = model(prompt, past_key_values=cache).logits
+        assert all(isinstance(layer, DATStaticLayer) for layer in cache.layers)
+        step = model(prompt[:, :1], past_key_values=cache, position_ids=torch.full((2, 1), 7)).logits
+        expected = model(torch.cat([prompt, prompt[:, :1]], 1)).logits
+    torch.testing.assert_close(logits, expected[:, :7], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step[:, 0], expected[:, 7], atol=1e-5, rtol=0)
+
+    foreign = StaticCache(config=model.config, max_cache_len=16)
+    layer = foreign.layers[0]
+    assert type(layer) is StaticLayer
+    layer.lazy_initialization(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))  # as another model leaves it
+    with pytest.raises(ValueError, match="filled by another model"):
+        model(prompt, past_key_values=foreign)
