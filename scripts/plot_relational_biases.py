@@ -9,7 +9,7 @@
    and the relations r(x_i, x_j) (`layer<l>_relations.png`), one panel per head or relation component.
 
     python scripts/plot_relational_biases.py --output-dir plots --length 16
-    python scripts/plot_relational_biases.py --output-dir plots --config configs/dat-tiny.json --input-ids 5 8 13 21
+    python scripts/plot_relational_biases.py --output-dir plots --config dat-tiny --input-ids 5 8 13 21
     python scripts/plot_relational_biases.py --output-dir plots --model my-dat-folder --text "the cat sat"
 """
 
@@ -159,16 +159,18 @@ def plot_biases(output_dir, length=16, biases=BIASES, window=3, block_size=4, gl
 # ---- a model's attention ------------------------------------------------------------------------------------------
 def load_model(model_path=None, config_path=None, seed=0, overrides=None):
     """The DAT base model (DATModel or DATEncoderModel) of a saved folder, or a randomly initialised one from a config
-    file (`model_type` defaults to `dat`, keys starting with `_` are comments; `overrides` replace fields), in eval
-    mode with eager attention (so that attention weights are returned)."""
+    file or preset name (`model_type` defaults to `dat`, keys starting with `_` are comments; `overrides` replace
+    fields), in eval mode with eager attention (so that attention weights are returned)."""
     import json
 
     from transformers import AutoConfig, AutoModel
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from dat_hf.training import preset_path
+
     if model_path is not None:
         return AutoModel.from_pretrained(model_path, attn_implementation="eager", **(overrides or {})).eval()
-    with open(config_path) as f:
+    with open(preset_path(config_path)) as f:
         fields = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
     fields.update(overrides or {})
     model_type = fields.pop("model_type", "dat")
@@ -260,7 +262,8 @@ def main(argv=None) -> list[str]:
     parser.add_argument("--source-length", type=int, default=None, help="bipartite: source length (default: length)")
     parser.add_argument("--causal", action="store_true", help="show the masks of a decoder (causal order added)")
     parser.add_argument("--model", default=None, help="saved DAT model folder: plot its attention for one input")
-    parser.add_argument("--config", default=None, help="DAT config file: plot a randomly initialised model")
+    parser.add_argument("--config", default=None,
+                        help="DAT config file or preset name (dat-tiny, ...): plot a randomly initialised model")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=JSON",
                         help='config overrides, e.g. relational_bias=\"sliding_window\" sliding_window_size=3')
     parser.add_argument("--input-ids", type=int, nargs="*", default=None, help="the input (default: random ids)")

@@ -5,7 +5,7 @@
     python scripts/train_causal_lm.py --config_name dat-tiny --output_dir runs/dat-tiny --max_steps 500 --use_cpu
 
     # any `datasets` source: text/json/csv/parquet files, a saved dataset, a builder name
-    python scripts/train_causal_lm.py --config_name configs/dat-343m.json --train_files data/*.parquet \\
+    python scripts/train_causal_lm.py --config_name dat-343m --train_files data/*.parquet \\
         --tokenizer_name path/to/tokenizer --block_size 1024 --output_dir runs/dat-343m --bf16
 
     # several processes: torchrun / accelerate launch (configs/accelerate/*.yaml), see docs/training.md
@@ -13,8 +13,8 @@
 
 The arguments are `TrainingArguments` plus `ModelArguments` and `DataArguments` below (`--help` lists them all); a
 single `.json` argument is read as a file of arguments. Without `--tokenizer_name` a byte-level BPE tokenizer is
-trained on the training split. Perplexity on the held-out split comes from the repository's `metrics/perplexity`
-evaluate module. The output folder gets the model (safetensors + remote code), tokenizer, generation config,
+trained on the training split. Perplexity on the held-out split comes from the `perplexity`
+evaluate module shipped in `dat_hf.training`. The output folder gets the model (safetensors + remote code), tokenizer, generation config,
 metrics and a model card (README.md) rendered from `model_cards/dat_causal_lm.md`.
 
 `--resume_from_checkpoint last` resumes from the newest complete checkpoint in `--output_dir` (or starts from scratch
@@ -44,18 +44,19 @@ from transformers import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dat_hf  # noqa: E402,F401  (registers the Auto classes)
-from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 from dat_hf.training import (  # noqa: E402
     AtomicCheckpointTrainer,
     count_parameters,
-    load_perplexity_metric,
+    load_metric,
     load_preset_config,
     make_compute_metrics,
     parse_config_overrides,
     perplexity_from_loss,
     resolve_resume_checkpoint,
     token_nll,
+    use_progress_lines,
 )
+from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 
 logger = logging.getLogger("train_causal_lm")
 
@@ -64,8 +65,8 @@ logger = logging.getLogger("train_causal_lm")
 class ModelArguments:
     config_name: str = field(
         default="dat-tiny",
-        metadata={"help": "Model preset in configs/ (dat-tiny, dat-343m, dat-1.27b, transformer-353m, ...) or a path "
-                          "to a JSON config. Ignored with --model_name_or_path."},
+        metadata={"help": "Model preset (dat-tiny, dat-343m, dat-1.27b, transformer-353m, transformer-1.31b; "
+                          "in dat_hf/training/presets/) or a path to a JSON config. Ignored with --model_name_or_path."},
     )
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A saved DAT model folder (or Hub id) to continue training from."}
@@ -235,7 +236,7 @@ def main(args=None, callbacks=None):
     logger.info("model: %s, %s parameters", type(model).__name__, f"{n_params:,}")
 
     with training_args.main_process_first(desc="loading the perplexity metric"):
-        metric = load_perplexity_metric()
+        metric = load_metric("perplexity")
     trainer = AtomicCheckpointTrainer(
         model=model,
         args=training_args,
@@ -247,6 +248,7 @@ def main(args=None, callbacks=None):
         preprocess_logits_for_metrics=token_nll,
         callbacks=callbacks,
     )
+    use_progress_lines(trainer)  # with --disable_tqdm: one line per logging step instead of raw dicts
 
     results = {"output_dir": training_args.output_dir, "num_parameters": n_params,
                "train_blocks": len(lm_datasets["train"]), "eval_blocks": len(lm_datasets["validation"])}

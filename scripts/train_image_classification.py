@@ -19,8 +19,9 @@ CPU cores (`OMP_NUM_THREADS=1` for each run; without it two runs oversubscribe t
 
 The arguments are `TrainingArguments` (with the defaults above) plus `ModelArguments` and `DataArguments` below
 (`--help` lists them all); a single `.json` argument is read as a file of arguments. Accuracy comes from the
-repository's `metrics/accuracy` evaluate module (offline). The output folder gets the model (safetensors + remote
-code), the image processor, the metrics (`all_results.json`) and a model card (README.md) with the measured accuracy.
+`accuracy` evaluate module shipped in `dat_hf.training` (offline). The output folder gets the model (safetensors +
+remote code), the image processor, the metrics (`all_results.json`) and a model card (README.md) with the measured
+accuracy.
 `--do_train false --model_name_or_path DIR` only evaluates a saved model.
 """
 
@@ -41,10 +42,9 @@ from transformers.trainer_utils import SaveStrategy, SchedulerType
 
 import dat_hf
 from dat_hf import DATForImageClassification, DATImageProcessor, DATVisionConfig
+from dat_hf.training import load_metric, use_progress_lines
 
 logger = logging.getLogger("train_image_classification")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCURACY_METRIC = os.path.join(REPO, "metrics", "accuracy")
 
 
 @dataclass
@@ -336,9 +336,7 @@ def main(argv=None):
     train.set_format("numpy")
     evaluation.set_format("numpy")
 
-    import evaluate
-
-    accuracy = evaluate.load(ACCURACY_METRIC)
+    accuracy = load_metric("accuracy")
 
     def compute_metrics(eval_pred):
         predictions, references = eval_pred
@@ -351,6 +349,7 @@ def main(argv=None):
         compute_metrics=compute_metrics, processing_class=processor,
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )
+    use_progress_lines(trainer)  # with --disable_tqdm: one line per logging step instead of raw dicts
     metrics = {}
     train_seconds = 0.0
     if training_args.do_train:

@@ -14,8 +14,8 @@
 
 The arguments are `Seq2SeqTrainingArguments` plus `ModelArguments` and `DataArguments` below (`--help` lists them);
 a single `.json` argument is read as a file of arguments. `--predict_with_generate` is on by default; exact match
-comes from the repository's `metrics/exact_match` evaluate module (offline). The output folder gets the model (with
-remote code), the tokenizer, the generation config, the `dat-text2text` pipeline code (`pipeline(model=folder,
+comes from the `exact_match` evaluate module shipped in `dat_hf.training` (offline). The output folder gets the model
+(with remote code), the tokenizer, the generation config, the `dat-text2text` pipeline code (`pipeline(model=folder,
 trust_remote_code=True)` works without dat_hf) and `exact_match.json` (overall and per module).
 """
 
@@ -41,16 +41,12 @@ from transformers import (
     set_seed,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+import dat_hf  # noqa: F401  (registers the Auto classes and the dat-text2text pipeline)
+from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig
+from dat_hf.pipeline_text2text import DATText2TextPipeline
+from dat_hf.training import load_metric, parse_config_overrides, use_progress_lines
+from dat_hf.training.math_data import DEFAULT_MODULES, build_char_tokenizer, math_dataset
 
-import dat_hf  # noqa: E402  (registers the Auto classes and the dat-text2text pipeline)
-from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig  # noqa: E402
-from dat_hf.training.math_data import DEFAULT_MODULES, build_char_tokenizer, math_dataset  # noqa: E402
-from dat_hf.pipeline_text2text import DATText2TextPipeline  # noqa: E402
-from dat_hf.training import parse_config_overrides  # noqa: E402
-
-EXACT_MATCH_PATH = REPO_ROOT / "metrics" / "exact_match"
 logger = logging.getLogger("train_seq2seq")
 
 
@@ -158,9 +154,7 @@ def tokenize(raw, tokenizer, data_args: DataArguments):
 
 
 def make_compute_metrics(tokenizer):
-    import evaluate
-
-    metric = evaluate.load(str(EXACT_MATCH_PATH))
+    metric = load_metric("exact_match")
 
     def compute_metrics(eval_pred):
         predictions, labels = eval_pred
@@ -179,9 +173,7 @@ def make_compute_metrics(tokenizer):
 def exact_match_by_module(model, tokenizer, dataset, input_column="input", target_column="target", batch_size=64,
                           max_new_tokens=48, num_beams=1):
     """Greedy (or beam) generation on `dataset`; exact-match accuracy overall and per `module` column."""
-    import evaluate
-
-    metric = evaluate.load(str(EXACT_MATCH_PATH))
+    metric = load_metric("exact_match")
     model.eval()
     predictions = []
     for start in range(0, len(dataset), batch_size):
@@ -234,6 +226,7 @@ def main(argv=None):
         model=model, args=training_args, train_dataset=tokenized["train"], eval_dataset=tokenized["test"],
         processing_class=tokenizer, data_collator=collator, compute_metrics=make_compute_metrics(tokenizer),
     )
+    use_progress_lines(trainer)  # with --disable_tqdm: one line per logging step instead of raw dicts
     start = time.time()
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     train_seconds = time.time() - start

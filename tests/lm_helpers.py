@@ -65,6 +65,29 @@ def tokenizer_dir(vocab_size: int = 320) -> str:
     return out
 
 
+def save_untrained_lm(folder) -> str:
+    """A tiny untrained DAT language model (the `dat-tiny` preset at d=32, 2 layers) and the session's tokenizer,
+    saved in `folder` as `save_pretrained` writes them."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from dat_hf import DATForCausalLM
+    from dat_hf.training import load_preset_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    torch.manual_seed(0)
+    config = load_preset_config("dat-tiny", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                num_symbols=8, num_hidden_layers=2, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = DATForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def train_args(output_dir, *extra, max_steps=8, block_size=32, batch_size=4, lr=3e-3, seed=0,
                pretrained_tokenizer=True) -> list[str]:
     """CLI arguments of a tiny run of scripts/train_causal_lm.py on `corpus_file()` (with the session's tokenizer, or

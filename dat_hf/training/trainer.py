@@ -1,11 +1,12 @@
 """Training helpers shared by the scripts (never imported by the modeling files).
 
-- Model presets: `configs/*.json` in the repository (`load_preset_config("dat-tiny")`, or a path to a JSON file).
+- Model presets: `presets/*.json` in this package (`load_preset_config("dat-tiny")`, or a path to a JSON file).
 - `AtomicCheckpointTrainer`: a `Trainer` whose checkpoints appear atomically: each `checkpoint-N` is written in
   full under `<output_dir>/.staging/` and then renamed into place, so a run killed while saving never leaves a
   partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up.
 - Perplexity: `token_nll` (a `preprocess_logits_for_metrics` that keeps per-token negative log-likelihoods instead of
-  `[batch, seq, vocab]` logits) and `make_compute_metrics` (the repository's `metrics/perplexity` evaluate module).
+  `[batch, seq, vocab]` logits) and `make_compute_metrics` (the package's `metrics/perplexity` evaluate module).
+- Offline `evaluate` metric modules shipped in this package: `load_metric("perplexity" | "accuracy" | "exact_match")`.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO_ROOT / "configs"
-PERPLEXITY_METRIC_PATH = REPO_ROOT / "metrics" / "perplexity"
+PACKAGE_DIR = Path(__file__).resolve().parent
+PRESETS_DIR = PACKAGE_DIR / "presets"  # model presets (package data)
+METRICS_DIR = PACKAGE_DIR / "metrics"  # offline `evaluate` modules, one folder each (package data)
 STAGING_DIR_NAME = ".staging"
 
 
 # ---- presets -------------------------------------------------------------------------------------------------------
 def list_presets(config_dir: str | os.PathLike | None = None) -> list[str]:
-    """Names of the model presets (`configs/<name>.json`)."""
-    config_dir = Path(config_dir or CONFIG_DIR)
+    """Names of the model presets (`presets/<name>.json` in this package)."""
+    config_dir = Path(config_dir or PRESETS_DIR)
     return sorted(p.stem for p in config_dir.glob("*.json"))
 
 
@@ -40,12 +41,12 @@ def preset_path(name_or_path: str, config_dir: str | os.PathLike | None = None) 
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
         return path
-    candidate = Path(config_dir or CONFIG_DIR) / f"{name_or_path}.json"
+    candidate = Path(config_dir or PRESETS_DIR) / f"{name_or_path}.json"
     if candidate.is_file():
         return candidate
     raise FileNotFoundError(
         f"No model preset {name_or_path!r}: give a JSON file or one of {list_presets(config_dir)} "
-        f"(in {config_dir or CONFIG_DIR})."
+        f"(in {config_dir or PRESETS_DIR})."
     )
 
 
@@ -197,19 +198,27 @@ def token_nll(logits, labels):
     return torch.nn.functional.pad(nll, (0, 1), value=float("nan"))
 
 
-def load_perplexity_metric(path: str | os.PathLike | None = None):
-    """The repository's `evaluate` perplexity module (offline: a local folder), in memory (no cache files, so
-    concurrent processes do not collide)."""
+def list_metrics() -> list[str]:
+    """Names of the `evaluate` modules shipped in this package (`metrics/<name>/<name>.py`)."""
+    return sorted(p.parent.name for p in METRICS_DIR.glob("*/*.py") if p.stem == p.parent.name)
+
+
+def load_metric(name: str, **kwargs):
+    """One of the package's `evaluate` modules (`perplexity`, `accuracy`, `exact_match`), loaded offline from its
+    folder, in memory by default (no cache files, so concurrent processes do not collide)."""
     import evaluate
 
-    return evaluate.load(str(path or PERPLEXITY_METRIC_PATH), keep_in_memory=True)
+    if name not in list_metrics():
+        raise ValueError(f"`name` must be one of {list_metrics()}, got {name!r}.")
+    kwargs.setdefault("keep_in_memory", True)
+    return evaluate.load(str(METRICS_DIR / name), **kwargs)
 
 
 def make_compute_metrics(metric=None):
     """`compute_metrics` for `Trainer` with `preprocess_logits_for_metrics=token_nll`: corpus perplexity
     (exp of the mean token NLL), the mean of per-block perplexities and the mean NLL, from the metric module."""
     if metric is None:
-        metric = load_perplexity_metric()
+        metric = load_metric("perplexity")
 
     def compute_metrics(eval_pred):
         nll = eval_pred.predictions
@@ -230,8 +239,8 @@ def perplexity_from_loss(loss: float) -> float:
 
 
 __all__ = [
-    "CONFIG_DIR",
-    "PERPLEXITY_METRIC_PATH",
+    "PRESETS_DIR",
+    "METRICS_DIR",
     "list_presets",
     "preset_path",
     "load_preset_config",
@@ -243,7 +252,8 @@ __all__ = [
     "AtomicCheckpointTrainer",
     "resolve_resume_checkpoint",
     "token_nll",
-    "load_perplexity_metric",
+    "list_metrics",
+    "load_metric",
     "make_compute_metrics",
     "perplexity_from_loss",
 ]

@@ -1,6 +1,6 @@
-"""Accuracy: an `evaluate` module shipped in the repository (the Hub's `accuracy` metric needs the network).
+"""Accuracy: an `evaluate` module shipped with `dat_hf.training` (the Hub's `accuracy` metric needs the network).
 
-Load it offline with `evaluate.load("metrics/accuracy")` (a local folder). Same inputs and outputs as the Hub's
+Load it offline with `dat_hf.training.load_metric("accuracy")` (a local folder). Same inputs and outputs as the Hub's
 `accuracy` metric, computed with NumPy (no scikit-learn needed).
 """
 
@@ -23,7 +23,7 @@ Args:
 Returns:
     accuracy (`float` or `int`): the fraction (or count) of correct predictions.
 Examples:
-    >>> accuracy = evaluate.load("metrics/accuracy")
+    >>> accuracy = load_metric("accuracy")  # from dat_hf.training
     >>> accuracy.compute(references=[0, 1, 2, 0, 1, 2], predictions=[0, 1, 1, 2, 1, 0])
     {'accuracy': 0.5}
 """

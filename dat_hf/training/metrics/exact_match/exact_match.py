@@ -1,7 +1,7 @@
 """Exact-match accuracy for generated text, shipped with dat_hf so it loads offline:
 
-    >>> import evaluate
-    >>> metric = evaluate.load("metrics/exact_match")     # a path: no Hub access
+    >>> from dat_hf.training import load_metric
+    >>> metric = load_metric("exact_match")     # a local folder: no Hub access
     >>> metric.compute(predictions=["7", "x"], references=["7", "y"])
     {'exact_match': 0.5}
 """

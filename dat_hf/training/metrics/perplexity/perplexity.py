@@ -1,7 +1,7 @@
-"""Perplexity from per-token negative log-likelihoods: an `evaluate` module shipped in the repository.
+"""Perplexity from per-token negative log-likelihoods: an `evaluate` module shipped with `dat_hf.training`.
 
-Load it offline with `evaluate.load("metrics/perplexity")` (a local folder; the Hub's `perplexity` metric needs the
-network and re-runs a model from a Hub id). Unlike the Hub metric, this one takes what a training loop already has:
+Load it offline with `dat_hf.training.load_metric("perplexity")` (a local folder; the Hub's `perplexity` metric
+needs the network and re-runs a model from a Hub id). Unlike the Hub metric, this one takes what a training loop already has:
 the negative log-likelihood (natural log) of every predicted token, one list per sequence.
 """
 
@@ -43,7 +43,7 @@ Returns:
     nll (`float`): mean NLL per token (nats, or log_base units when `base` is given).
     num_tokens (`int`): number of tokens scored.
 Examples:
-    >>> perplexity = evaluate.load("metrics/perplexity")
+    >>> perplexity = load_metric("perplexity")  # from dat_hf.training
     >>> results = perplexity.compute(predictions=[[0.0, 0.0], [math.log(4.0)]])
     >>> round(results["perplexity"], 4), round(results["mean_perplexity"], 4)
     (1.5874, 2.5)

@@ -1,0 +1,78 @@
+"""Every Python block of the documentation runs: README.md, docs/**/*.md and the other Markdown files of the repository
+(model card templates excepted: `tests/test_model_cards.py` renders and runs those).
+
+Each Markdown file's blocks run in order in one fresh interpreter, in one namespace, like a doctest session: a block
+may use names defined by an earlier block of the same file, never of another file. The interpreter starts in an
+empty temporary folder, with the Hub offline (`HF_HUB_OFFLINE=1`), one thread, stdin closed (an interactive
+`trust_remote_code` prompt fails) and this checkout's `dat_hf` first on the path. A failure names the Markdown file
+and the line of the failing block.
+
+Blocks fenced as ```` ```python no-run ```` (GPU-only code, multi-node launches, placeholders for the user's own
+objects) are never run; `test_no_run_block_compiles` lists each of them and checks that it compiles.
+"""
+
+from pathlib import Path
+
+import pytest
+from snippets import extract_snippets, failure_message, offline_env, run_snippets
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SKIPPED_DIRS = {"model_cards", "runs", "outputs", "build", "dist", "node_modules"}
+
+
+def markdown_files() -> list[Path]:
+    """README.md, docs/**/*.md and every other Markdown file of the repository outside `SKIPPED_DIRS`, hidden folders
+    and packaging output."""
+    files = []
+    for path in sorted(REPO_ROOT.rglob("*.md")):
+        parts = path.relative_to(REPO_ROOT).parts[:-1]
+        if any(part.startswith(".") or part in SKIPPED_DIRS or part.endswith(".egg-info") for part in parts):
+            continue
+        files.append(path)
+    return files
+
+
+def snippets_of(path: Path):
+    return extract_snippets(path.read_text(encoding="utf-8"), str(path.relative_to(REPO_ROOT)))
+
+
+DOCS = {str(p.relative_to(REPO_ROOT)): snippets_of(p) for p in markdown_files()}
+RUNNABLE = sorted(name for name, snippets in DOCS.items() if any(s.run for s in snippets))
+NO_RUN = [s for snippets in DOCS.values() for s in snippets if not s.run]
+
+
+def test_the_documentation_is_collected():
+    assert "README.md" in DOCS and any(name.startswith("docs/") for name in DOCS)
+    assert "README.md" in RUNNABLE  # the README's quick start is code that runs
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_markdown_python_blocks_run(name, tmp_path):
+    snippets = [s for s in DOCS[name] if s.run]
+    proc = run_snippets(snippets, tmp_path, offline_env(str(REPO_ROOT)))
+    assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
+    assert proc.stdout.count("@@ running ") == len(snippets)
+
+
+@pytest.mark.parametrize("snippet", NO_RUN, ids=[s.where for s in NO_RUN])
+def test_no_run_block_compiles(snippet):
+    compile(snippet.code, snippet.where, "exec")
+
+
+def test_extract_snippets_reads_fences_lines_and_no_run():
+    text = ("# T\n\n```python\nx = 1\n```\n\n```bash\nls\n```\n\n"
+            "  ```python no-run\n  y = x + 1\n  ```\n````py\nz\n````\n")
+    snippets = extract_snippets(text, "t.md")
+    assert [(s.line, s.code, s.run) for s in snippets] == [(4, "x = 1\n", True), (12, "y = x + 1\n", False),
+                                                           (15, "z\n", True)]
+    with pytest.raises(ValueError, match="t.md:3: unclosed"):
+        extract_snippets("x\n\n```python\nprint(1)\n", "t.md")
+
+
+def test_a_failing_block_is_reported_with_its_file_and_line(tmp_path):
+    snippets = extract_snippets("```python\nvalue = 41\n```\ntext\n```python\nassert value == 42, value\n```\n",
+                                "guide.md")
+    proc = run_snippets(snippets, tmp_path, offline_env(None))
+    assert proc.returncode == 1
+    assert "@@ FAILED guide.md:6" in proc.stdout and 'File "guide.md", line 6' in proc.stderr
+    assert "AssertionError: 41" in proc.stderr
