@@ -92,14 +92,15 @@ class DATStaticLayer(StaticLayer):
         self.is_initialized = True
 
 
-def prepare_cache(cache: Cache | None, capacity: int | None = None) -> Cache | None:
-    """Give a fresh cache DAT's layers: `InPlaceCacheLayer`s in a `DynamicCache` (not offloaded; `capacity` is the
-    longest sequence expected, the buffers grow past it if needed), `DATStaticLayer`s in a `StaticCache`; both halves
-    of an `EncoderDecoderCache`. Layers already in use are left alone. Returns `cache`."""
+def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True) -> Cache | None:
+    """Give a fresh cache DAT's layers: `DATStaticLayer`s in a `StaticCache`, and with `in_place`
+    `InPlaceCacheLayer`s in a `DynamicCache` (not offloaded; `capacity` is the longest sequence expected, the buffers
+    grow past it if needed); both halves of an `EncoderDecoderCache`. Layers already in use are left alone. Returns
+    `cache`."""
     if isinstance(cache, EncoderDecoderCache):
-        prepare_cache(cache.self_attention_cache, capacity)
-        prepare_cache(cache.cross_attention_cache)
-    elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        prepare_cache(cache.self_attention_cache, capacity, in_place)
+        prepare_cache(cache.cross_attention_cache, None, in_place)
+    elif type(cache) is DynamicCache and in_place and not getattr(cache, "offloading", False):
         for i, layer in enumerate(cache.layers):
             if type(layer) is DynamicLayer and not layer.is_initialized:
                 cache.layers[i] = InPlaceCacheLayer(capacity)

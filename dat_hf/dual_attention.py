@@ -133,12 +133,23 @@ class SensoryAttention(nn.Module):
         self.o_proj.residual_init = True
 
     def forward(self, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
-        senders = mask.senders_in_view(query.shape[2], key.shape[2])
-        key, value = key[:, :, :senders], value[:, :, :senders]
         attention_interface: Callable = eager_attention_forward
         if not output_attentions:  # fused kernels do not return weights
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                         eager_attention_forward)
+        if mask.receiver_blocks is not None and not output_attentions and mask.block_mask is None:
+            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph)
+            out = torch.cat([self._attend(attention_interface, query[:, :, q0:q1], key[:, :, kv0:kv1],
+                                          value[:, :, kv0:kv1], mask.block(q0, q1, kv0, kv1), **kwargs)[0]
+                             for q0, q1, kv0, kv1 in mask.receiver_blocks], dim=1)
+            weights = None
+        else:
+            out, weights = self._attend(attention_interface, query, key, value, mask, **kwargs)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+
+    def _attend(self, attention_interface, query, key, value, mask: AttentionMask, **kwargs):
+        senders = mask.senders_in_view(query.shape[2], key.shape[2])
+        key, value = key[:, :, :senders], value[:, :, :senders]
         if attention_interface is eager_attention_forward:
             attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
         else:
@@ -147,8 +158,7 @@ class SensoryAttention(nn.Module):
             self, query, key, value, attention_mask, scaling=self.scaling,
             dropout=self.attention_dropout if self.training else 0.0, is_causal=mask.is_causal, **kwargs,
         )
-        out, weights = _zero_isolated(mask, out, weights)
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+        return _zero_isolated(mask, out, weights)
 
 
 class RelationalAttention(nn.Module):
@@ -202,11 +212,27 @@ class RelationalAttention(nn.Module):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid);
         `query_offset`: the cache index of the first receiver (default `kv - q`)."""
+        backend = select_relational_attention(self, query, mask, output_attentions)
+        if mask.receiver_blocks is not None and backend != "flex_attention" and not (
+                output_attentions or self.relative_symbols):
+            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph)
+            messages = torch.cat([
+                self._attend(backend, query[:, :, q0:q1], key[:, :, kv0:kv1], symbol_values[:, :, kv0:kv1],
+                             relation_queries[:, q0:q1], relation_keys[:, kv0:kv1], mask.block(q0, q1, kv0, kv1))[0]
+                for q0, q1, kv0, kv1 in mask.receiver_blocks], dim=1)
+            weights = relations = None
+        else:
+            messages, weights, relations = self._attend(backend, query, key, symbol_values, relation_queries,
+                                                        relation_keys, mask, output_attentions,
+                                                        relative_position_index, query_offset)
+        return self.o_proj(messages.reshape(*messages.shape[:2], -1)), weights, relations
+
+    def _attend(self, backend, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
+                output_attentions=False, relative_position_index=None, query_offset=None):
         senders = mask.senders_in_view(query.shape[2], key.shape[2])
         key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
         if not self.relative_symbols:
             symbol_values = symbol_values[:, :, :senders]
-        backend = select_relational_attention(self, query, mask, output_attentions)
         messages, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
             self, query, key, symbol_values, relation_queries, relation_keys, mask, scaling=self.scaling,
             relation_scaling=self.relation_scaling, dropout=self.attention_dropout if self.training else 0.0,
@@ -214,7 +240,7 @@ class RelationalAttention(nn.Module):
             query_offset=query_offset,
         )
         messages, weights = _zero_isolated(mask, messages, weights)
-        return self.o_proj(messages.reshape(*messages.shape[:2], -1)), weights, relations
+        return messages, weights, relations
 
 
 class DualAttention(nn.Module):

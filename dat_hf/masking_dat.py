@@ -29,12 +29,20 @@ class AttentionMask(NamedTuple):
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
     is_causal: whether a None mask means causal.
     block_mask: the same graph as a FlexAttention `BlockMask` (only when the model uses `flex_attention`).
+    receiver_blocks: None, or `((q0, q1, kv0, kv1), ...)`: blocks of receivers and the senders any of them may
+        see, when attending block by block skips a good share of the work (a sliding window, a block-sparse graph).
     """
 
     mask: torch.Tensor | None
     row_valid: torch.Tensor | None
     is_causal: bool
     block_mask: object = None
+    receiver_blocks: tuple | None = None
+
+    def block(self, q0: int, q1: int, kv0: int, kv1: int) -> "AttentionMask":
+        """The mask of receivers [q0, q1) over senders [kv0, kv1) (explicit, so no implicit causal order)."""
+        row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
+        return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 
     def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None):
         """The mask of receivers [start, end) (default: all) as an explicit tensor for code that forms its own scores:
@@ -118,19 +126,44 @@ def check_graph_adjacency(adjacency, batch_size: int, seq_len: int):
         )
 
 
+# receivers per block when a mask lets each block see only some of the senders; blocks are used when they skip at
+# least this share of the pairs that plain (causal or full) attention would compute
+RECEIVER_BLOCK = 256
+MIN_SKIPPED_SHARE = 0.25
+
+
+def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
+    """bool `[b|1, 1, q, kv]` -> ((q0, q1, kv0, kv1), ...), each block of `RECEIVER_BLOCK` receivers with the range
+    of senders that any of them may see, or None when that would not skip `MIN_SKIPPED_SHARE` of the work."""
+    q_len, kv_len = allowed.shape[-2:]
+    if q_len < 2 * RECEIVER_BLOCK or torch.compiler.is_compiling():
+        return None
+    rows = allowed.any(0)[0]  # [q, kv]: the union over the batch
+    pad = -q_len % RECEIVER_BLOCK
+    columns = torch.nn.functional.pad(rows, (0, 0, 0, pad)).view(-1, RECEIVER_BLOCK, kv_len).any(1)  # [blocks, kv]
+    first = columns.int().argmax(-1)
+    last = kv_len - columns.flip(-1).int().argmax(-1)
+    blocks = [(q0, min(q_len, q0 + RECEIVER_BLOCK), lo, hi)
+              for q0, lo, hi in zip(range(0, q_len, RECEIVER_BLOCK), first.tolist(), last.tolist())]
+    pairs = sum((q1 - q0) * (hi - lo) for q0, q1, lo, hi in blocks)
+    plain = q_len * kv_len - (q_len * (q_len - 1) // 2 if is_causal else 0)
+    return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
+
+
 def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None) -> AttentionMask:
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
     allowed = mask if mask.dtype == torch.bool else mask == 0
     row_valid = allowed.any(dim=-1, keepdim=True)
+    blocks = _receiver_blocks(allowed, is_causal) if mask.dtype == torch.bool else None
     if not torch.compiler.is_compiling() and bool(row_valid.all()):
-        return AttentionMask(mask, None, is_causal, block_mask)
+        return AttentionMask(mask, None, is_causal, block_mask, blocks)
     # let isolated receivers attend everywhere (finite kernels), their output is zeroed by the caller
     if mask.dtype == torch.bool:
         mask = mask | ~row_valid
     else:
         mask = mask.masked_fill(~row_valid, 0.0)
-    return AttentionMask(mask, row_valid, is_causal, block_mask)
+    return AttentionMask(mask, row_valid, is_causal, block_mask, blocks)
 
 
 class _MaskFormat:

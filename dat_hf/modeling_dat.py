@@ -348,10 +348,11 @@ class DATModel(DATPreTrainedModel):
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
-        if starts_cache(self, use_cache, past_key_values):
+        starts_own_cache = starts_cache(self, use_cache, past_key_values)  # (a user's dynamic cache keeps its layers)
+        if starts_own_cache:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(past_key_values))
+            check_cache(prepare_cache(past_key_values, in_place=starts_own_cache))
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,

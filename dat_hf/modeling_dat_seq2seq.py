@@ -475,12 +475,13 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
-        if starts_cache(self, use_cache, past_key_values):
+        starts_own_cache = starts_cache(self, use_cache, past_key_values)  # (a user's dynamic cache keeps its layers)
+        if starts_own_cache:
             past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
         if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(past_key_values))
+            check_cache(prepare_cache(past_key_values, in_place=starts_own_cache))
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
         past_seen = self_cache.get_seq_length() if self_cache is not None else 0
         DATModel._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)

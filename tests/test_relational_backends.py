@@ -429,3 +429,31 @@ def test_seq2seq_backends_agree():
     attention_mask = torch.ones_like(source).index_fill_(1, torch.arange(8, 11), 0)
     assert_backends_agree(model, {"input_ids": source, "attention_mask": attention_mask,
                                   "decoder_input_ids": torch.randint(2, 40, (2, 7))})
+
+
+# ---- masks that let receiver blocks skip senders -------------------------------------------------------------------
+def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
+    """A sliding window over 1100 tokens runs block by block (each block of 256 receivers against the senders it may
+    see): same logits and gradients as one call over the whole mask."""
+    import dat_hf.masking_dat as masking_dat
+
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=40,
+                                       max_position_embeddings=2048))
+    x = torch.randint(0, 97, (2, 1100))
+    attention_mask = torch.ones_like(x).index_fill_(1, torch.arange(7), 0)
+    mask = masking_dat.build_masks(["sliding_window"], model.config, torch.zeros(2, 1100, 32),
+                                   attention_mask.bool())["sliding_window"]
+    assert mask.receiver_blocks == ((0, 256, 7, 256), (256, 512, 216, 512), (512, 768, 472, 768),  # 7 padded
+                                    (768, 1024, 728, 1024), (1024, 1100, 984, 1100))
+    plain_causal = masking_dat.build_masks(["causal"], model.config, torch.zeros(2, 1100, 32), attention_mask.bool())
+    assert plain_causal["causal"].receiver_blocks is None  # padding alone skips too little
+    for backend in ("cpu", "sdpa"):
+        model.config.relational_attn_implementation = backend
+        blocked = logits_and_grads(model, {"input_ids": x, "attention_mask": attention_mask})
+        monkeypatch.setattr(masking_dat, "MIN_SKIPPED_SHARE", 2.0)  # never in blocks
+        whole = logits_and_grads(model, {"input_ids": x, "attention_mask": attention_mask})
+        monkeypatch.undo()
+        assert_close(blocked[0], whole[0], atol=1e-5, what=f"{backend} logits")
+        for g, e in zip(blocked[1], whole[1]):
+            assert_close(g, e, atol=1e-5, rtol=1e-4, what=f"{backend} gradient")

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dat_hf.kernels.cpu_build import SOURCES
 from dat_hf.training import list_metrics, list_presets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +88,7 @@ def wheel_env(tmp_path_factory):
 def test_wheel_ships_the_package_data_and_nothing_else(wheel_env):
     names = zipfile.ZipFile(wheel_env[3]).namelist()
     assert {f"dat_hf/training/presets/{p}.json" for p in list_presets()} <= set(names)
+    assert {f"dat_hf/kernels/csrc/{source.name}" for source in SOURCES} <= set(names)
     assert {f"dat_hf/training/metrics/{m}/{m}.py" for m in list_metrics()} <= set(names)
     assert "dat_hf/training/metrics/perplexity/README.md" in names
     assert not [n for n in names if n.split("/")[0] in ("tests", "scripts", "configs", "docs", "model_cards")]
@@ -96,12 +98,14 @@ def test_installed_package_is_the_wheel(wheel_env, tmp_path):
     python, venv_site, env, _ = wheel_env
     code = ("import json, sys, dat_hf, dat_hf.training as t; print(json.dumps({'file': dat_hf.__file__, "
             "'path': sys.path, 'presets': t.list_presets(), 'metrics': t.list_metrics(), "
-            "'accuracy': t.load_metric('accuracy').compute(predictions=[1, 0], references=[1, 1])}))")
+            "'accuracy': t.load_metric('accuracy').compute(predictions=[1, 0], references=[1, 1]), "
+            "'cpu_kernel': dat_hf.load_cpu_kernel()}))")
     info = json.loads(run([python, "-c", code], cwd=tmp_path, env=env).stdout.strip().splitlines()[-1])
     assert Path(info["file"]).resolve().is_relative_to(venv_site.resolve())
     assert not any(p and Path(p).resolve() == REPO_ROOT for p in info["path"]), info["path"]
     assert info["presets"] == list_presets() and info["metrics"] == list_metrics()
     assert info["accuracy"] == {"accuracy": 0.5}
+    assert info["cpu_kernel"] == (shutil.which("c++") is not None)  # its C++ sources ship in the wheel
 
 
 @pytest.fixture(scope="module")
