@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""Benchmark dat_hf DATForCausalLM against the authors' reference (`dual-attention`, converted weights) and
-Transformers' LlamaForCausalLM of the same width, depth, total heads and FFN.
+"""Benchmark dat_hf's DATForCausalLM against Transformers' LlamaForCausalLM (same width, depth, total heads and FFN)
+and the authors' reference (`dual-attention`, converted weights).
 
-    python scripts/benchmark.py train --seq 256 512 1024 --repeats 3 --out runs/bench
-    python scripts/benchmark.py generate --prompt 16 1024 --new-tokens 512 --out runs/bench
-    python scripts/benchmark.py parts --seq 2048 4096 --repeats 5 --out runs/parts
-    python scripts/benchmark.py train --device cuda --dtype bf16 --seq 1024 2048 4096 8192 --out runs/gpu
+    python scripts/benchmark.py train --seq 1024 2048 4096 --repeats 5
+    python scripts/benchmark.py generate --prompt 1024 --new-tokens 512 --repeats 3
+    python scripts/benchmark.py generate --prompt 1024 --cache static --compile --impls dat_hf llama
+    python scripts/benchmark.py train --preset dat-343m --layers 2 --batch 1 --seq 1024 4096 --impls dat_hf llama
+    python scripts/benchmark.py train --relational-bias sliding_window --window 256 --seq 2048 8192 --impls dat_hf
+    python scripts/benchmark.py train --device cuda --dtype bf16 --preset dat-343m --seq 1024 2048 4096 8192
+    python scripts/benchmark.py parts --seq 2048 4096 --repeats 5
 
-Every measurement runs in its own process (peak memory = that process's max RSS; "net" = peak minus the RSS once the
-model and optimizer are built, i.e. what training adds); models alternate within each
-repetition, so machine drift hits all alike, and each ratio is taken per repetition (the two workers ran back to back)
-and summarized by its median, with the min-max spread beside it. Prints a table of medians and ratios, writes JSON
-(every worker's figures too) and PNG scaling curves for `train` when matplotlib is available.
+Every measurement runs in its own process (peak memory = that process's max RSS on CPU, the allocator's peak on
+CUDA; "net" = peak minus the memory once the model and optimizer are built); the implementations alternate within
+each repetition, so a drift of the machine's speed hits all alike, and each ratio is taken per repetition and
+summarised by its median [min-max]. Training tables also give the FLOP model's dat_hf / Llama ratio for the backend
+that ran (relations formed once per pair for all heads, or fused values), the limit a measured ratio can approach.
+Prints a table of medians and ratios, writes JSON (every worker's figures too) and, for `train`, a PNG.
 """
 
 import argparse
@@ -22,45 +26,127 @@ import subprocess
 import sys
 import time
 
-IMPLS = ("dat_hf", "reference", "llama")
+IMPLS = ("dat_hf", "reference", "llama", "baseline")
 
 
-def model_kwargs(args):
-    return dict(vocab=args.vocab, d=args.hidden, layers=args.layers, sa=args.sensory_heads, ra=args.relational_heads,
-                dff=args.ffn, max_len=max(args.max_len, 2))
+# ---- the models ------------------------------------------------------------------------------------------------------
+def dat_config(args, max_len):
+    """The dat_hf config of the benchmark (a preset's shapes at `--layers` depth, or the small benchmark model)."""
+    import dat_hf  # noqa: F401  (also registers the compiled backends)
+    from dat_hf import DATConfig
+
+    bias = dict(relational_bias=args.relational_bias, sliding_window_size=args.window)
+    if args.preset:
+        from dat_hf.training import load_preset_config
+
+        overrides = dict(max_position_embeddings=max_len, **bias)
+        if args.layers:
+            overrides["num_hidden_layers"] = args.layers
+        return load_preset_config(args.preset, **overrides)
+    return DATConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers or 4,
+                     num_sensory_heads=args.sensory_heads, num_relational_heads=args.relational_heads,
+                     intermediate_size=args.ffn, max_position_embeddings=max_len, hidden_act="swiglu",
+                     norm_type="rmsnorm", num_symbols=64, symbolic_attention_heads=4, **bias)
 
 
-def build(impl, vocab, d, layers, sa, ra, dff, max_len, attn="sdpa"):
+def llama_config(config):
+    """Llama of the DAT config's width, depth, vocabulary and FFN, with all its heads as self-attention heads."""
+    from transformers import LlamaConfig
+
+    heads = config.num_sensory_heads + config.num_relational_heads
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       num_hidden_layers=config.num_hidden_layers, num_attention_heads=heads,
+                       num_key_value_heads=heads, intermediate_size=config.intermediate_size,
+                       max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=True,
+                       sliding_window=None)
+
+
+def reference_model(config):
+    """The authors' language model with the small benchmark model's options (the conversion gives dat_hf's weights)."""
+    from dual_attention.language_models import DualAttnTransformerLM
+
+    return DualAttnTransformerLM(
+        vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=config.num_hidden_layers,
+        n_heads_sa=config.num_sensory_heads, n_heads_ra=config.num_relational_heads, dff=config.intermediate_size,
+        dropout_rate=0.0, activation="swiglu", norm_first=True, max_block_size=config.max_position_embeddings,
+        norm_type="rmsnorm", pos_enc_type="RoPE", symbol_retrieval="symbolic_attention",
+        symbol_retrieval_kwargs=dict(d_model=config.hidden_size, n_heads=4, n_symbols=64),
+    )
+
+
+def build(impl, args, max_len):
     import torch
 
     torch.manual_seed(0)
+    config = dat_config(args, max_len)
     if impl == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=sa + ra,
-                             intermediate_size=dff, max_position_embeddings=max_len, tie_word_embeddings=True)
-        config._attn_implementation = attn
-        return LlamaForCausalLM(config)
-    from dual_attention.language_models import DualAttnTransformerLM
+        llama = llama_config(config)
+        llama._attn_implementation = args.attn
+        return LlamaForCausalLM(llama)
+    if impl == "reference" or not args.preset:  # dat_hf converted from the reference: the same weights
+        if args.preset:
+            raise ValueError("the reference is measured on the small benchmark model only (no --preset)")
+        reference = reference_model(config)
+        if impl == "reference":
+            return reference
+        import dat_hf
 
-    reference = DualAttnTransformerLM(
-        vocab_size=vocab, d_model=d, n_layers=layers, n_heads_sa=sa, n_heads_ra=ra, dff=dff, dropout_rate=0.0,
-        activation="swiglu", norm_first=True, max_block_size=max_len, norm_type="rmsnorm", pos_enc_type="RoPE",
-        symbol_retrieval="symbolic_attention", symbol_retrieval_kwargs=dict(d_model=d, n_heads=4, n_symbols=64),
-    )
-    if impl == "reference":
-        return reference
-    import dat_hf
+        model = dat_hf.from_reference_model(reference)
+        model.config.relational_bias, model.config.sliding_window_size = args.relational_bias, args.window
+    else:
+        from dat_hf import DATForCausalLM
 
-    model = dat_hf.from_reference_model(reference)
-    model.config._attn_implementation = attn
+        model = DATForCausalLM(config)
+    model.config._attn_implementation = args.attn
+    if args.relational_backend:
+        model.config.relational_attn_implementation = args.relational_backend
     return model
 
 
-def _logits(impl, model, x):
-    return model(x)[0] if impl == "reference" else model(x).logits
+def relational_backend(model):
+    """The backend the relational heads ran last (dat_hf models), or None."""
+    for module in model.modules():
+        if hasattr(module, "relational_attention_backend"):
+            return module.relational_attention_backend
+    return None
 
 
+# ---- the FLOP model --------------------------------------------------------------------------------------------------
+def macs_per_token(config, context, backend="llama"):
+    """Multiply-adds of one token's forward through every layer, with `context` senders per receiver on average:
+    projections, MLP, symbol retrieval and attention. Relational attention costs, per (receiver, sender) pair,
+    `h d_h` (scores) + `R d_r` (relations, once for all heads) + `h R` (weighted relations) + `h d_h` (symbols) when
+    relations are formed on the fly (the compiled kernels), `h (d_h + d_v)` with `d_v = d_h + R d_r` with fused values
+    (sdpa, flex_attention); `backend="llama"` counts Llama's layers."""
+    d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_sensory_heads + config.num_relational_heads
+    d_h = d // heads
+    if backend == "llama":
+        return layers * (4 * d * d + 3 * d * f + 2 * heads * d_h * context)
+    h_s, h_r = config.num_sensory_heads, config.num_relational_heads
+    kv_s, kv_r = config.sensory_kv_heads, config.relational_kv_heads
+    rel = config.relations * config.relation_head_dim
+    projections = d * ((h_s + h_r) * d_h + (kv_s + 2 * kv_r) * d_h + kv_s * d_h + 2 * rel) + d * d  # + W_o
+    symbols = d * d + 2 * config.num_symbols * d if config.symbol_retrieval == "symbolic_attention" else 0
+    per_pair = 2 * h_s * d_h
+    if backend in ("sdpa", "flex_attention", "eager"):
+        per_pair += h_r * (d_h + d_h + rel)
+    else:
+        per_pair += 2 * h_r * d_h + rel + h_r * config.relations
+    return layers * (projections + 3 * d * f + symbols + per_pair * context)
+
+
+def flop_ratio(args, seq, backend, window=None):
+    """dat_hf / Llama MACs of a causal training sequence of `seq` tokens (senders per receiver: (seq + 1) / 2, or
+    the window's)."""
+    config = dat_config(args, seq)
+    context = (seq + 1) / 2 if not window else min(window + 1, (seq + 1) / 2)
+    return macs_per_token(config, context, backend or "sdpa") / macs_per_token(config, (seq + 1) / 2, "llama")
+
+
+# ---- workers (one measurement per process) -----------------------------------------------------------------------
 class Device:
     """Where a worker runs: `sync()` before reading a clock; peak memory = max RSS on CPU, the allocator's peak on
     CUDA; `autocast()` for `--dtype bf16` (fp32 weights, bf16 matmuls)."""
@@ -90,20 +176,24 @@ class Device:
         return self.torch.autocast(self.torch.device(self.name).type, dtype=self.torch.bfloat16)
 
 
+def _logits(impl, model, x):
+    return model(x)[0] if impl == "reference" else model(x).logits
+
+
 def worker_train(args):
     import torch
 
     torch.set_num_threads(args.threads)
     device = Device(args)
-    model = build(args.impl, **model_kwargs(args)).train().to(args.device)
+    model = build(args.impl, args, max(args.seq, args.max_len)).train().to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.compile:  # the first (warm-up) step compiles; dat_hf and Llama compile as one graph
-        if args.impl == "dat_hf":  # compiled graphs call dat_hf's CPU kernel only when it is already loaded
+        if args.impl in ("dat_hf", "baseline"):  # compiled graphs call dat_hf's CPU kernel only when it is loaded
             import dat_hf
 
             dat_hf.load_cpu_kernel()
         model = torch.compile(model, fullgraph=args.impl != "reference")
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+    x = torch.randint(0, dat_config(args, args.seq).vocab_size, (args.batch, args.seq), device=args.device)
     base = device.memory_gib()  # interpreter, libraries and the model (CPU); the model (CUDA)
     times = []
     for step in range(args.steps + 1):
@@ -120,7 +210,25 @@ def worker_train(args):
             times.append(time.perf_counter() - start)
     peak = device.memory_gib()
     # net = what training added on top of the process after the model was built (activations, gradients, AdamW)
-    print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base}))
+    print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base,
+                      "relational_backend": relational_backend(model)}))
+
+
+def _step_clock(device):
+    """A logits processor that notes the time of every decoding step (after a device sync): step times without
+    subtracting separately timed runs."""
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            device.sync()
+            self.times.append(time.perf_counter())
+            return scores
+
+    return StepClock()
 
 
 def worker_generate(args):
@@ -128,36 +236,54 @@ def worker_generate(args):
 
     torch.set_num_threads(args.threads)
     device = Device(args)
-    model = build(args.impl, **model_kwargs(args)).eval().to(args.device)
+    max_len = max(args.max_len, args.prompt + args.new_tokens)
+    model = build(args.impl, args, max_len).eval().to(args.device)
     if device.bf16:
         model = model.to(torch.bfloat16)
-    x = torch.randint(0, args.vocab, (1, args.prompt), device=args.device)
+    x = torch.randint(0, dat_config(args, max_len).vocab_size, (1, args.prompt), device=args.device)
+    kwargs = {}
+    if args.cache == "static":
+        kwargs["cache_implementation"] = "static"
+    if args.compile:
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(fullgraph=True, dynamic=False)
+        compile_config._compile_all_devices = True  # (Transformers compiles on accelerators only by default)
+        kwargs.update(cache_implementation="static", compile_config=compile_config)
 
     def generate(new_tokens):
         if args.impl == "reference":
-            return model.generate(x, new_tokens, top_k=1)
-        return model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
-    def timed(new_tokens):
+            device.sync()
+            start = time.perf_counter()
+            model.generate(x, new_tokens, top_k=1)
+            device.sync()
+            return start, [time.perf_counter()]
+        clock = _step_clock(device)
         device.sync()
         start = time.perf_counter()
-        generate(new_tokens)
-        device.sync()
-        return time.perf_counter() - start
+        model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       logits_processor=[clock], **kwargs)
+        return start, clock.times
 
     with torch.no_grad():
-        generate(2)  # warm-up: one-time costs (loading kernels, first allocations) are not per-token costs
-        prefill = timed(1)  # the prompt's forward and the first token
-        elapsed = timed(args.new_tokens)
-    # decode = per-token latency after the prompt; with_prompt spreads the prompt's forward over the new tokens
-    print(json.dumps({"decode_ms_per_token": 1000 * (elapsed - prefill) / max(1, args.new_tokens - 1),
-                      "ms_per_token": 1000 * elapsed / args.new_tokens, "prefill_s": prefill}))
+        generate(4)  # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs
+        start, times = generate(args.new_tokens)
+    if len(times) > 1:  # Transformers models: every step timed
+        steps = [b - a for a, b in zip(times, times[1:])]
+        decode, prefill = statistics.median(steps), times[0] - start
+    else:  # the reference: its whole run, less a prefill timed on its own
+        first_start, first = generate(1)
+        prefill = first[0] - first_start
+        decode = max(times[0] - start - prefill, 0) / max(1, args.new_tokens - 1) or None
+    print(json.dumps({"decode_ms_per_token": None if decode is None else 1000 * decode,
+                      "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
+                      "relational_backend": relational_backend(model)}))
 
 
 def run_worker(mode, impl, args, **extra):
-    cmd = [sys.executable, __file__, f"_{mode}", "--impl", impl, "--threads", str(args.threads)]
+    cmd = [sys.executable, __file__, f"_{mode}", "--impl", impl]
     for key, value in {**vars(args), **extra}.items():
-        if key in ("mode", "impl", "threads", "seq", "prompt", "out", "impls", "repeats", "func"):
+        if key in ("mode", "impl", "seq", "prompt", "out", "impls", "repeats", "baseline") or value is None:
             continue
         if isinstance(value, bool):
             cmd += [f"--{key.replace('_', '-')}"] if value else []
@@ -169,14 +295,21 @@ def run_worker(mode, impl, args, **extra):
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.mmap_threshold:  # glibc then maps every larger block on its own and unmaps it when freed
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    if impl == "baseline":  # dat_hf imported from another checkout
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(args.baseline), env.get("PYTHONPATH")]))
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def progress(message):
+    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
+
+
+# ---- summaries -----------------------------------------------------------------------------------------------------
 def summarize(results, metric):
-    values = [r[metric] for r in results if metric in r]
+    values = [r[metric] for r in results if r.get(metric) is not None]
     return statistics.median(values) if values else None
 
 
@@ -196,71 +329,82 @@ def ratio_cell(ratio, spread=False):
     return f"{ratio['median']:.2f}" + (f" [{ratio['min']:.2f}-{ratio['max']:.2f}]" if spread else "")
 
 
-def main_train(args):
+def measure(mode, args, sizes, key, metrics, skip=lambda impl, size: False):
+    """Every implementation at every size, alternating within each repetition -> {size: {impl: row}}."""
     table = {}
-    for seq in args.seq:
+    for size in sizes:
         runs = {impl: [] for impl in args.impls}
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             for impl in args.impls:
-                skip = impl == "reference" and seq > args.reference_max_seq
-                runs[impl].append({} if skip else run_worker("train", impl, args, seq=seq,
-                                                             max_len=max(seq, args.max_len)))
-        table[seq] = {impl: {"time_s": summarize(r, "time_s"), "peak_gib": summarize(r, "peak_gib"),
-                             "net_gib": summarize(r, "net_gib"), "runs": r,
-                             "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
-        for impl, row in table[seq].items():
+                if skip(impl, size):
+                    runs[impl].append({})
+                    continue
+                result = run_worker(mode, impl, args, **{key: size})
+                runs[impl].append(result)
+                shown = result.get("error") or ", ".join(
+                    f"{m} {result[m]:.4g}" for m in metrics if result.get(m) is not None)
+                progress(f"{mode} {key} {size} repetition {rep + 1}/{args.repeats} {impl}: {shown}")
+        table[size] = {impl: {m: summarize(r, m) for m in metrics} | {
+            "runs": r, "errors": [x["error"] for x in r if "error" in x],
+            "relational_backend": next((x["relational_backend"] for x in r if x.get("relational_backend")), None),
+        } for impl, r in runs.items()}
+        for impl, row in table[size].items():
             row["ratios"] = {f"{metric}/{other}": pair_ratios(runs, impl, other, metric)
-                             for metric in ("time_s", "peak_gib", "net_gib") for other in ("reference", "llama")
-                             if other != impl}
-    print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={args.hidden}, {args.layers} layers, "
-          f"{args.sensory_heads}+{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads"
-          + (", torch.compile" if args.compile else "") + f", {args.device} {args.dtype}"
+                             for metric in metrics for other in args.impls if other != impl}
+    return table
+
+
+def main_train(args):
+    def skip(impl, seq):
+        return impl == "reference" and seq > args.reference_max_seq
+
+    table = measure("train", args, args.seq, "seq", ("time_s", "peak_gib", "net_gib"), skip)
+    for seq, row in table.items():
+        if "dat_hf" in row and "llama" in row:
+            row["dat_hf"]["flop_ratio/llama"] = flop_ratio(args, seq, row["dat_hf"]["relational_backend"],
+                                                           args.window if args.relational_bias != "causal" else None)
+    config = dat_config(args, max(args.seq))
+    print(f"\ntrain step (fwd+bwd+AdamW), batch {args.batch}, d={config.hidden_size}, {config.num_hidden_layers} "
+          f"layers, {config.num_sensory_heads}+{config.num_relational_heads} heads, ffn {config.intermediate_size}, "
+          f"{args.threads} threads, {args.device} {args.dtype}" + (", torch.compile" if args.compile else "")
+          + (f", preset {args.preset}" if args.preset else "") + f", relational bias {args.relational_bias}"
+          + (f" {args.window}" if args.relational_bias != "causal" else "")
           + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
-    print("times and memory: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
-    print(f"{'seq':>6} {'impl':>10} {'time s':>9} {'peak GiB':>9} {'net GiB':>8} {'t/ref':>17} {'t/llama':>17} "
-          f"{'m/ref':>7} {'m/llama':>8} {'net/ref':>8} {'net/llama':>9}")
+    print("times and memory: medians over repetitions; ratios: median [min-max] of the per-repetition ratios; "
+          "flops: the FLOP model's dat_hf / llama for the relational backend that ran")
+    others = [o for o in ("reference", "llama", "baseline") if o in args.impls]
+    header = f"{'seq':>6} {'impl':>10} {'backend':>8} {'time s':>8} {'peak GiB':>9} {'net GiB':>8}"
+    header += "".join(f" {'t/' + o:>17}" for o in others) + "".join(f" {'m/' + o:>10}" for o in others)
+    print(header + f" {'flops/llama':>11}")
     for seq, row in table.items():
         for impl, r in row.items():
-            def ratio(key, other, spread=False):
-                return ratio_cell(r["ratios"].get(f"{key}/{other}"), spread)
-            t = f"{r['time_s']:.3f}" if r["time_s"] else "-"
-            m = f"{r['peak_gib']:.2f}" if r["peak_gib"] else "-"
-            net = f"{r['net_gib']:.2f}" if r["net_gib"] else "-"
-            print(f"{seq:>6} {impl:>10} {t:>9} {m:>9} {net:>8} {ratio('time_s', 'reference', True):>17} "
-                  f"{ratio('time_s', 'llama', True):>17} {ratio('peak_gib', 'reference'):>7} "
-                  f"{ratio('peak_gib', 'llama'):>8} {ratio('net_gib', 'reference'):>8} {ratio('net_gib', 'llama'):>9}")
+            def cell(value, fmt):
+                return format(value, fmt) if value else "-"
+            line = (f"{seq:>6} {impl:>10} {r['relational_backend'] or '-':>8} {cell(r['time_s'], '.3f'):>8} "
+                    f"{cell(r['peak_gib'], '.2f'):>9} {cell(r['net_gib'], '.2f'):>8}")
+            line += "".join(f" {ratio_cell(r['ratios'].get(f'time_s/{o}'), True):>17}" for o in others)
+            line += "".join(f" {ratio_cell(r['ratios'].get(f'peak_gib/{o}')):>10}" for o in others)
+            flops = r.get("flop_ratio/llama")
+            print(line + f" {format(flops, '.2f') if flops else '-':>11}")
     return table
 
 
 def main_generate(args):
-    table = {}
-    for prompt in args.prompt:
-        runs = {impl: [] for impl in args.impls}
-        for _ in range(args.repeats):
-            for impl in args.impls:
-                runs[impl].append(run_worker("generate", impl, args, prompt=prompt,
-                                             max_len=max(args.max_len, prompt + args.new_tokens)))
-        table[prompt] = {impl: {key: summarize(r, key) for key in ("decode_ms_per_token", "ms_per_token", "prefill_s")}
-                         | {"runs": r, "errors": [x["error"] for x in r if "error" in x]} for impl, r in runs.items()}
-        for impl, row in table[prompt].items():
-            row["ratios"] = {f"decode_ms_per_token/{other}": pair_ratios(runs, impl, other, "decode_ms_per_token")
-                             for other in IMPLS if other != impl}
+    table = measure("generate", args, args.prompt, "prompt", ("decode_ms_per_token", "ms_per_token", "prefill_s"))
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
-          f"{args.dtype}); decode = ms per "
-          "token after the prompt, with prompt = total time / new tokens")
+          f"{args.dtype}, {'compiled, ' if args.compile else ''}{args.cache if not args.compile else 'static'} cache); "
+          "decode = median ms per step after the prompt, with prompt = total time / new tokens")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
-    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10} {'decode/llama':>17} "
-          f"{'ref/dat_hf decode':>18}")
+    others = [o for o in ("llama", "reference", "baseline") if o in args.impls]
+    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10}"
+          + "".join(f" {'decode/' + o:>19}" for o in others))
     for prompt, row in table.items():
         for impl, r in row.items():
             def cell(value, fmt):
                 return format(value, fmt) if value else "-"
-            vs_llama = ratio_cell(r["ratios"].get("decode_ms_per_token/llama"), spread=True)
-            ref_over_ours = row.get("reference", {}).get("ratios", {}).get("decode_ms_per_token/dat_hf")
-            ref_cell = f"{ref_over_ours['median']:.1f}" if impl == "dat_hf" and ref_over_ours else "-"
             print(f"{prompt:>7} {impl:>10} {cell(r['decode_ms_per_token'], '.2f'):>10} "
-                  f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10} {vs_llama:>17} "
-                  f"{ref_cell:>18}")
+                  f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10}"
+                  + "".join(f" {ratio_cell(r['ratios'].get(f'decode_ms_per_token/{o}'), True):>19}" for o in others))
     return table
 
 
@@ -274,18 +418,19 @@ def main_parts(args):
     from dat_hf.masking_dat import AttentionMask
 
     torch.set_num_threads(args.threads)
-    kwargs = model_kwargs(args) | {"max_len": max(args.max_len, *args.seq)}
-    dat, llama = build("dat_hf", **kwargs).train(), build("llama", **kwargs).train()
+    max_len = max(args.max_len, *args.seq)
+    dat, llama = build("dat_hf", args, max_len).train(), build("llama", args, max_len).train()
+    config = dat.config
     dat_layer, llama_layer = dat.model.layers[0], llama.model.layers[0]
-    heads = args.sensory_heads + args.relational_heads
-    head_dim = args.hidden // heads
-    relations, relation_dim = dat.config.relations, dat.config.relation_head_dim
+    heads = config.num_sensory_heads + config.num_relational_heads
+    head_dim = config.hidden_size // heads
+    relations, relation_dim = config.relations, config.relation_head_dim
     kernel = load_cpu_kernel()
     causal = AttentionMask(None, None, True)
     table = {}
     for seq in args.seq:
         b, positions = args.batch, torch.arange(seq)[None]
-        x0 = torch.randn(b, seq, args.hidden)
+        x0 = torch.randn(b, seq, config.hidden_size)
         dat_rope, llama_rope = dat.model.rotary_emb(x0, positions), llama.model.rotary_emb(x0, positions)
         with torch.no_grad():
             symbols = dat.model.symbol_retrievers(0, x0, positions)
@@ -302,13 +447,14 @@ def main_parts(args):
             # x only carries a gradient so that every part is timed alike
             return lambda x: torch.nn.functional.scaled_dot_product_attention(*inputs(), is_causal=True) + 0 * x.sum()
 
-        kernel_inputs = leaves(*[(b, args.relational_heads, seq, head_dim)] * 3,
+        kernel_inputs = leaves(*[(b, config.num_relational_heads, seq, head_dim)] * 3,
                                *[(b, seq, relations, relation_dim)] * 2)
 
         def relational_kernel_fn(x):
             out, rel = relational_attention_op(*kernel_inputs(), True, head_dim**-0.5, relation_dim**-0.5, None)
             return out.sum() + rel.sum() + 0 * x.sum()
 
+        h_s = config.num_sensory_heads
         parts = {
             "dat_hf layer": dat_layer_fn,
             "llama layer": lambda x: llama_layer(x, attention_mask=None, position_ids=positions,
@@ -320,7 +466,7 @@ def main_parts(args):
                                                                position_embeddings=llama_rope)[0],
             "dat_hf mlp": lambda x: dat_layer.mlp(dat_layer.post_attention_layernorm(x)),
             "llama mlp": lambda x: llama_layer.mlp(llama_layer.post_attention_layernorm(x)),
-            f"sdpa {args.sensory_heads} heads": heads_fn(args.sensory_heads),
+            f"sdpa {h_s} heads": heads_fn(h_s),
             f"sdpa {heads} heads": heads_fn(heads),
         }
         if kernel:
@@ -336,23 +482,25 @@ def main_parts(args):
                 end = time.perf_counter()
                 if rep:  # the first repetition warms up
                     times[name].append((middle - start, end - middle))
+            progress(f"parts seq {seq}: repetition {rep}/{args.repeats}" + (" (warm-up)" if not rep else ""))
         table[seq] = {name: {"fwd_ms": 1000 * statistics.median(f for f, _ in t),
                              "bwd_ms": 1000 * statistics.median(bw for _, bw in t),
                              "total_ms": 1000 * statistics.median(f + bw for f, bw in t)} for name, t in times.items()}
-    print(f"\none layer's parts, fwd + bwd, batch {args.batch}, d={args.hidden}, {args.sensory_heads}+"
-          f"{args.relational_heads} heads, ffn {args.ffn}, {args.threads} threads; medians of {args.repeats}")
+    print(f"\none layer's parts, fwd + bwd, batch {args.batch}, d={config.hidden_size}, {h_s}+"
+          f"{config.num_relational_heads} heads, ffn {config.intermediate_size}, {args.threads} threads; medians of "
+          f"{args.repeats}")
     for seq, row in table.items():
         print(f"seq {seq}")
         for name, r in row.items():
             print(f"  {name:>26} fwd {r['fwd_ms']:8.1f} ms  bwd {r['bwd_ms']:8.1f} ms  total {r['total_ms']:8.1f} ms")
         pairs = [("dat_hf layer", "llama layer"), ("dat_hf attention", "llama attention"), ("dat_hf mlp", "llama mlp"),
-                 ("relational kernel", f"sdpa {args.sensory_heads} heads")]
+                 ("relational kernel", f"sdpa {h_s} heads")]
         for a, other in pairs:
             if a in row and other in row:
                 print(f"  {a} / {other}: {row[a]['total_ms'] / row[other]['total_ms']:.2f}")
         if "relational kernel" in row:
-            both = row["relational kernel"]["total_ms"] + row[f"sdpa {args.sensory_heads} heads"]["total_ms"]
-            print(f"  (relational kernel + sdpa {args.sensory_heads} heads) / sdpa {heads} heads: "
+            both = row["relational kernel"]["total_ms"] + row[f"sdpa {h_s} heads"]["total_ms"]
+            print(f"  (relational kernel + sdpa {h_s} heads) / sdpa {heads} heads: "
                   f"{both / row[f'sdpa {heads} heads']['total_ms']:.2f}")
     return table
 
@@ -383,39 +531,58 @@ def plot(table, path):
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["train", "generate", "parts", "_train", "_generate"],
-                   help="parts: one layer's components (attention, symbol retrieval, MLP, attention kernels), "
-                        "dat_hf beside Llama in one process")
-    p.add_argument("--impl", choices=IMPLS)
-    p.add_argument("--impls", nargs="+", default=list(IMPLS))
-    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024])
-    p.add_argument("--prompt", type=int, nargs="+", default=[16, 1024])
-    p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--sensory-heads", type=int, default=4)
-    p.add_argument("--relational-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]; on CUDA peak memory is the allocator's peak")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: train under autocast (fp32 weights), generate with bf16 weights")
-    p.add_argument("--reference-max-seq", type=int, default=2048)
-    p.add_argument("--compile", action="store_true", help="train: torch.compile every model (fullgraph for dat_hf, Llama)")
-    p.add_argument("--mmap-threshold", type=int, default=0,
-                   help="fixed glibc mmap threshold in bytes for every worker (e.g. 131072): peak RSS then follows the "
-                        "live tensors instead of the allocator's heap, which by default keeps freed blocks mapped")
-    p.add_argument("--out", default=None)
+                   metavar="{train,generate,parts}", help="train: one training step per sequence length; generate: greedy decoding after a prompt; "
+                        "parts: one layer's components (attention, symbol retrieval, MLP, kernels) beside Llama's")
+    models = p.add_argument_group("models")
+    models.add_argument("--impls", nargs="+", default=["dat_hf", "reference", "llama"], choices=IMPLS,
+                        help="implementations to compare (baseline: dat_hf from the --baseline checkout)")
+    models.add_argument("--baseline", metavar="DIR",
+                        help="a checkout of dat_hf (e.g. `git worktree add /tmp/old <commit>`) measured as `baseline`")
+    models.add_argument("--preset", help="the shapes of a model preset (e.g. dat-343m; Llama matched), at --layers")
+    models.add_argument("--layers", type=int, help="depth (default 4, or the preset's)")
+    models.add_argument("--vocab", type=int, default=1024, help="vocabulary of the small benchmark model")
+    models.add_argument("--hidden", type=int, default=256, help="width of the small benchmark model")
+    models.add_argument("--sensory-heads", type=int, default=4, help="sensory heads of the small benchmark model")
+    models.add_argument("--relational-heads", type=int, default=4, help="relational heads of the small model")
+    models.add_argument("--ffn", type=int, default=1024, help="feed-forward width of the small benchmark model")
+    models.add_argument("--max-len", type=int, default=1024, help="at least this many positions")
+    models.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flex_attention"],
+                        help="attn_implementation of dat_hf and Llama")
+    models.add_argument("--relational-backend", help="dat_hf's relational_attn_implementation (default: automatic)")
+    models.add_argument("--relational-bias", default="causal", choices=["causal", "sliding_window"],
+                        help="dat_hf's relational bias (every head)")
+    models.add_argument("--window", type=int, default=256, help="sliding window of --relational-bias sliding_window")
+    run = p.add_argument_group("runs")
+    run.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024], help="train/parts: sequence lengths")
+    run.add_argument("--prompt", type=int, nargs="+", default=[16, 1024], help="generate: prompt lengths")
+    run.add_argument("--new-tokens", type=int, default=512, help="generate: tokens generated after the prompt")
+    run.add_argument("--cache", default="dynamic", choices=["dynamic", "static"], help="generate: cache type")
+    run.add_argument("--compile", action="store_true",
+                     help="train: torch.compile every model (fullgraph for dat_hf and Llama); generate: compiled "
+                          "decoding steps over a static cache")
+    run.add_argument("--batch", type=int, default=4, help="train/parts: batch size")
+    run.add_argument("--steps", type=int, default=2, help="train: timed steps after one warm-up step")
+    run.add_argument("--repeats", type=int, default=1, help="repetitions; ratios are taken per repetition")
+    run.add_argument("--threads", type=int, default=2, help="torch threads (and OMP_NUM_THREADS) of every worker")
+    run.add_argument("--device", default="cpu", help="cpu or cuda[:i]; on CUDA peak memory is the allocator's peak")
+    run.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                     help="bf16: train under autocast (fp32 weights), generate with bf16 weights")
+    run.add_argument("--reference-max-seq", type=int, default=2048,
+                     help="train: the reference runs up to this length (its n x n tensors grow fast)")
+    run.add_argument("--mmap-threshold", type=int, default=0,
+                     help="fixed glibc mmap threshold in bytes for every worker (e.g. 131072): peak RSS then follows the "
+                          "live tensors instead of the allocator's heap, which by default keeps freed blocks mapped")
+    p.add_argument("--out", default=None, help="folder for the JSON (and the PNG of `train`)")
+    p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # (workers)
     return p
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
-    if args.mode == "_train":
+    p = parser()
+    args = p.parse_args(argv)
+    if "baseline" in args.impls and not args.baseline:
+        p.error("--impls baseline needs --baseline DIR")
+    if args.mode == "_train":  # one measurement (`run_worker` starts these)
         args.seq = args.seq[0]
         return worker_train(args)
     if args.mode == "_generate":
