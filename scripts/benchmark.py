@@ -118,8 +118,9 @@ def macs_per_token(config, context, backend="llama"):
     """Multiply-adds of one token's forward through every layer, with `context` senders per receiver on average:
     projections, MLP, symbol retrieval and attention. Relational attention costs, per (receiver, sender) pair,
     `h d_h` (scores) + `R d_r` (relations, once for all heads) + `h R` (weighted relations) + `h d_h` (symbols) when
-    relations are formed on the fly (the compiled kernels), `h (d_h + d_v)` with `d_v = d_h + R d_r` with fused values
-    (sdpa, flex_attention); `backend="llama"` counts Llama's layers."""
+    relations are formed per pair (the compiled kernels, the reference), `h (d_h + d_v)` with `d_v = d_h + R d_r`
+    with fused values (flex_attention), `2 h d_v` with SDPA's zero-padded queries and keys; `backend="llama"` counts
+    Llama's layers."""
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads = config.num_sensory_heads + config.num_relational_heads
     d_h = d // heads
@@ -131,9 +132,11 @@ def macs_per_token(config, context, backend="llama"):
     projections = d * ((h_s + h_r) * d_h + (kv_s + 2 * kv_r) * d_h + kv_s * d_h + 2 * rel) + d * d  # + W_o
     symbols = d * d + 2 * config.num_symbols * d if config.symbol_retrieval == "symbolic_attention" else 0
     per_pair = 2 * h_s * d_h
-    if backend in ("sdpa", "flex_attention", "eager"):
+    if backend == "sdpa":  # queries and keys zero-padded to the value width
+        per_pair += 2 * h_r * (d_h + rel)
+    elif backend == "flex_attention":
         per_pair += h_r * (d_h + d_h + rel)
-    else:
+    else:  # relations formed once per pair (the compiled kernels and the reference)
         per_pair += 2 * h_r * d_h + rel + h_r * config.relations
     return layers * (projections + 3 * d * f + symbols + per_pair * context)
 
