@@ -328,6 +328,13 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
     def _tied_mapping(self) -> dict:
         return {}
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """`set_attn_implementation` applies: every attention call goes through `ALL_ATTENTION_FUNCTIONS`
+        (`dual_attention.run_attention`). Transformers' own check reads only this file, finds `DATCrossAttention`
+        and not the interface, and would refuse."""
+        return True
+
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         """Ties follow the config: `share_embeddings` (encoder/decoder token embeddings) and `tie_word_embeddings`
         (LM head) independently."""
