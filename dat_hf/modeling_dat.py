@@ -31,7 +31,8 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -331,7 +332,7 @@ class DATModel(DATPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         graph_adjacency: torch.BoolTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATModelOutputWithPast:
         r"""
         graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
@@ -457,7 +458,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         graph_adjacency: torch.BoolTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATCausalLMOutputWithPast:
         outputs: DATModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -504,7 +505,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutputWithPast:
         outputs = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
@@ -587,7 +588,7 @@ class DATForTokenClassification(DATPreTrainedModel):
         node_features: torch.FloatTensor | None = None,
         graph_adjacency: torch.BoolTensor | None = None,
         labels: torch.LongTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATTokenClassifierOutput:
         r"""
         node_features (`torch.FloatTensor` of shape `[batch, n, config.num_node_features]`, *optional*):

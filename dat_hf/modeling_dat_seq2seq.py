@@ -32,7 +32,8 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -344,6 +345,13 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
     def _tied_mapping(self) -> dict:
         return {}
 
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """`set_attn_implementation` applies: every attention call goes through `ALL_ATTENTION_FUNCTIONS`
+        (`dual_attention.run_attention`). Transformers' own check reads only this file, finds `DATCrossAttention`
+        and not the interface, and would refuse."""
+        return True
+
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         """Ties follow the config: `share_embeddings` (encoder/decoder token embeddings) and `tie_word_embeddings`
         (LM head) independently."""
@@ -590,7 +598,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         decoder_inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATSeq2SeqModelOutput:
         r"""
         input_ids / inputs_embeds: the source `[b, m]`; attention_mask `[b, m]`: 1 = token, 0 = padding (honoured in
@@ -702,7 +710,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATSeq2SeqLMOutput:
         if labels is not None:
             if labels.dim() != 2:

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -199,7 +200,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
         pixel_values: torch.FloatTensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         graph_adjacency: torch.BoolTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATVisionModelOutput:
         r"""
         interpolate_pos_encoding (`bool`, *optional*):
@@ -312,7 +313,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         labels: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         graph_adjacency: torch.BoolTensor | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> DATImageClassifierOutput:
         r"""
         labels (`torch.LongTensor` of shape `[batch]` or `torch.FloatTensor` `[batch, num_labels]`, *optional*):

