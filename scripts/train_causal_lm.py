@@ -302,8 +302,19 @@ def main(args=None, callbacks=None):
     return results
 
 
+def end_process_group():
+    """Wait for every process, then close the process group: left to the interpreter's exit, the backend's threads
+    can end the process with `terminate called without an active exception` (SIGABRT) after the run is saved."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     out = main()
     ppl = out["eval"].get("eval_perplexity", math.nan)
     if out["trainer"].args.should_save:
         print(f"validation perplexity {ppl:.2f}; saved to {out['output_dir']}")
+    end_process_group()

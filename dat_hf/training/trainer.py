@@ -3,7 +3,8 @@
 - Model presets: `presets/*.json` in this package (`load_preset_config("dat-tiny")`, or a path to a JSON file).
 - `AtomicCheckpointTrainer`: a `Trainer` whose checkpoints appear atomically: each `checkpoint-N` is written in
   full under `<output_dir>/.staging/` and then renamed into place, so a run killed while saving never leaves a
-  partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up.
+  partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up. Under FSDP with sharded
+  checkpoints, the final `save_model` still gathers a full `model.safetensors` (`FSDPModelSaveMixin`).
 - Perplexity: `token_nll` (a `preprocess_logits_for_metrics` that keeps per-token negative log-likelihoods instead of
   `[batch, seq, vocab]` logits) and `make_compute_metrics` (the package's `metrics/perplexity` evaluate module).
 - Offline `evaluate` metric modules shipped in this package: `load_metric("perplexity" | "accuracy" | "exact_match")`.
@@ -165,8 +166,48 @@ class AtomicCheckpointMixin:
         self.accelerator.wait_for_everyone()
 
 
-class AtomicCheckpointTrainer(AtomicCheckpointMixin, Trainer):
-    """`transformers.Trainer` with atomic checkpoints (see `AtomicCheckpointMixin`)."""
+class FSDPModelSaveMixin:
+    """Under FSDP, `save_model` writes the folder it writes without FSDP (full `model.safetensors`, config and
+    `auto_map` of the model's own class, remote code, tokenizer), which `from_pretrained` loads:
+    - with `SHARDED_STATE_DICT`, `Trainer.save_model` writes nothing (checkpoints hold `torch.distributed.checkpoint`
+      shards instead): outside checkpoints, the full state dict is gathered;
+    - the gathered copies of tied weights no longer share storage, so `save_pretrained` would store both: only the
+      source of each tied pair (`all_tied_weights_keys`) is kept, as without FSDP;
+    - FSDP2's `fully_shard` swaps the model's class for a generated subclass `FSDP<Class>` defined in torch, which
+      `save_pretrained` would record in `auto_map`, copying torch's FSDP files beside the weights as remote code: the
+      model shows its own class while it is saved."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
+        if _internal_call or plugin is None or "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+            return super().save_model(output_dir, _internal_call)
+        sharded = plugin.state_dict_type
+        plugin.state_dict_type = "FULL_STATE_DICT"  # read by `Trainer.save_model`; checkpoints stay sharded
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            plugin.state_dict_type = sharded
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if not self.is_fsdp_enabled:
+            return super()._save(output_dir, state_dict)
+        from torch.distributed.fsdp import FSDPModule
+
+        if state_dict:
+            tied = getattr(self.model, "all_tied_weights_keys", {})  # {target: source}
+            state_dict = {k: v for k, v in state_dict.items() if k not in tied}
+        fsdp_class = type(self.model)
+        if isinstance(self.model, FSDPModule):  # FSDP<Class>.__mro__: (FSDP<Class>, FSDPModule, Class, ...)
+            self.model.__class__ = fsdp_class.__mro__[fsdp_class._orig_cls_mro_index]
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.model.__class__ = fsdp_class
+
+
+class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, Trainer):
+    """`transformers.Trainer` with atomic checkpoints (see `AtomicCheckpointMixin`) that saves a full, loadable model
+    under FSDP too (see `FSDPModelSaveMixin`)."""
 
 
 def resolve_resume_checkpoint(resume_from_checkpoint, output_dir: str):
@@ -250,6 +291,7 @@ __all__ = [
     "parameters_digest",
     "AtomicCheckpointMixin",
     "AtomicCheckpointTrainer",
+    "FSDPModelSaveMixin",
     "resolve_resume_checkpoint",
     "token_nll",
     "list_metrics",

@@ -34,6 +34,7 @@ def main():
     }
     out = Path(trainer.args.output_dir) / f"rank{record['rank']}.json"
     out.write_text(json.dumps(record))
+    train_causal_lm.end_process_group()
 
 
 if __name__ == "__main__":

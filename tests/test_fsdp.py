@@ -1,0 +1,156 @@
+"""FSDP2 training on CPU, 2 processes (gloo), with the settings of configs/accelerate/fsdp.yaml in fp32: the
+documented launch (`accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/train_causal_lm.py`) and the
+Trainer's own arguments (`torchrun ... --fsdp --fsdp_config <the file's fsdp_config>`). Checked: each DAT block is
+one FSDP unit and every parameter is sharded over the 2 ranks, the embeddings stay tied, the losses and gradient norms
+equal a 1-process run with the same global batch, the sharded checkpoint resumes to the same losses and weights as
+the uninterrupted run, and the final model (full state dict, safetensors) loads with
+`AutoModelForCausalLM.from_pretrained` and gives the sharded model's logits.
+
+Accelerate runs FSDP only on accelerators (on CPU it falls back to DDP without a word): the worker routes that one
+decision to FSDP, see `tests/workers/fsdp_train.py`."""
+
+import json
+import socket
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from lm_helpers import REPO_ROOT, import_script, losses_by_step, run_group, subprocess_env, train_args
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+WORKER = REPO_ROOT / "tests" / "workers" / "fsdp_train.py"
+ACCELERATE_CONFIG = REPO_ROOT / "configs" / "accelerate" / "fsdp.yaml"
+STEPS, SAVE_EVERY, PER_RANK_BATCH = 8, 4, 4
+# fp32 on both sides; the 2-process run sums two half-batch gradients (reduce-scatter) where the 1-process run sums
+# one batch, so the rounding differs by a few ulps per step. Measured: losses within 1e-6 (2 ulps), gradient norms
+# within 2e-7 (relative), weights within 5e-6 after 8 AdamW steps (AdamW divides each gradient entry by its own running
+# RMS, which magnifies rounding in entries near its epsilon). The loss changes by >= 1e-2 from step to step and each
+# step moves weights by up to lr = 1e-2; a wrong gradient scale (sum instead of mean over ranks) doubles the norms.
+RTOL, ATOL = 1e-5, 1e-5  # losses, gradient norms, logits
+WEIGHT_ATOL = 1e-4  # 1% of one step
+
+
+def run_args(out, *extra, batch_size=PER_RANK_BATCH):
+    return train_args(out, "--save_steps", str(SAVE_EVERY), *extra, max_steps=STEPS, batch_size=batch_size, lr=1e-2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher, out, *extra):
+    """Run the worker on 2 processes; -> the per-rank records."""
+    cmd = [sys.executable, "-m", *launcher, str(WORKER), *run_args(out, *extra)]
+    start = time.perf_counter()
+    proc = run_group(cmd, timeout=300, cwd=REPO_ROOT, env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    print(f"2-process FSDP2 ({launcher[0]}, gloo, {STEPS} steps): {time.perf_counter() - start:.1f} s wall")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted 2-process run through `accelerate launch` (checkpoints at steps 4 and 8), the same run resumed
+    from its sharded checkpoint-4 through torchrun with `--fsdp_config`, and a 1-process run with the same global
+    batch (2 x 4 = 8 blocks per step)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    accelerate = ["accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIG), "--num_processes", "2",
+                  "--mixed_precision", "no", "--main_process_port", str(free_port())]
+    fsdp = launch(accelerate, tmp / "fsdp")
+
+    fsdp_config = tmp / "fsdp_config.json"  # Trainer reads the Accelerate keys, `fsdp_` prefix and all
+    fsdp_config.write_text(json.dumps(yaml.safe_load(ACCELERATE_CONFIG.read_text())["fsdp_config"]))
+    torchrun = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    resumed = launch(torchrun, tmp / "resumed", "--fsdp", "--fsdp_config", str(fsdp_config),
+                     "--resume_from_checkpoint", str(tmp / "fsdp" / "checkpoint-4"))
+
+    single = import_script("train_causal_lm").main(run_args(tmp / "single", batch_size=2 * PER_RANK_BATCH))
+    return {"dir": tmp, "fsdp": fsdp, "resumed": resumed, "single": single}
+
+
+def test_fsdp2_shards_every_dat_block(runs):
+    ranks = runs["fsdp"]
+    for r, rec in enumerate(ranks):
+        assert rec["rank"] == r and rec["world_size"] == 2 and rec["backend"] == "gloo"
+        assert rec["distributed_type"] == "FSDP" and rec["fsdp_version"] == 2
+        assert rec["model_class"] == "FSDPDATForCausalLM"  # fully_shard's class swap
+        # the wrap unit is the DAT block (`_no_split_modules`): one unit per block, none inside a block
+        assert [u for u in rec["fsdp_units"] if u.startswith("model.layers")] == ["model.layers.0", "model.layers.1"]
+        assert {"", "model.embed_tokens", "lm_head"} <= set(rec["fsdp_units"])
+        assert rec["tied"]  # lm_head.weight is embed_tokens.weight after sharding and training
+        assert len(rec["shards"]) == rec["num_parameters"]  # every parameter is a sharded DTensor
+    # dim 0 is split over the ranks: the two shards together are the whole tensor, each at most half (rounded up)
+    for name, (rows0, full) in ranks[0]["shards"].items():
+        rows1, full1 = ranks[1]["shards"][name]
+        assert full1 == full and rows0 + rows1 == full and max(rows0, rows1) == -(-full // 2), name
+    assert "model.embed_tokens.weight" in ranks[0]["shards"]
+
+
+def test_fsdp2_losses_equal_one_process_with_the_same_global_batch(runs):
+    fsdp, single = runs["fsdp"][0], runs["single"]
+    assert single["trainer"].args.world_size == 1
+    single_losses = losses_by_step(single["log_history"])
+    single_norms = {h["step"]: h["grad_norm"] for h in single["log_history"] if "grad_norm" in h}
+    fsdp_losses, fsdp_norms = dict(fsdp["losses"]), dict(fsdp["grad_norms"])
+    assert sorted(fsdp_losses) == sorted(single_losses) == list(range(1, STEPS + 1))
+    for step in fsdp_losses:
+        assert fsdp_losses[step] == pytest.approx(single_losses[step], rel=RTOL), step
+        assert fsdp_norms[step] == pytest.approx(single_norms[step], rel=RTOL), step
+    assert fsdp_losses[STEPS] < fsdp_losses[1] - 0.2  # it trains
+    assert fsdp["eval_loss"] == pytest.approx(single["eval"]["eval_loss"], rel=RTOL)
+    assert runs["fsdp"][1]["losses"] == fsdp["losses"]  # logged losses are averaged over the ranks
+
+    fsdp_weights = load_file(runs["dir"] / "fsdp" / "model.safetensors")
+    single_weights = load_file(runs["dir"] / "single" / "model.safetensors")
+    assert fsdp_weights.keys() == single_weights.keys()
+    for name, weight in fsdp_weights.items():
+        torch.testing.assert_close(weight, single_weights[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    print(f"FSDP2 vs 1 process, {STEPS} steps: losses within "
+          f"{max(abs(fsdp_losses[s] - single_losses[s]) for s in fsdp_losses):.1e}, gradient norms within "
+          f"{max(abs(fsdp_norms[s] / single_norms[s] - 1) for s in fsdp_norms):.1e} (relative), weights within "
+          f"{max((w - single_weights[n]).abs().max().item() for n, w in fsdp_weights.items()):.1e}")
+
+
+def test_sharded_checkpoint_resumes_like_the_uninterrupted_run(runs):
+    out = runs["dir"] / "fsdp"
+    for step in (SAVE_EVERY, STEPS):
+        ckpt = out / f"checkpoint-{step}"
+        files = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()}
+        # torch.distributed.checkpoint shards, one file per rank, for the model and the optimizer; no gathered model
+        for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert {f"{part}/.metadata", f"{part}/__0_0.distcp", f"{part}/__1_0.distcp"} <= files, files
+        assert {"rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"} <= files
+        assert not any(f.endswith((".safetensors", ".bin")) for f in files), files
+    assert not (out / ".staging").exists()
+
+    fsdp, resumed = runs["fsdp"][0], runs["resumed"][0]
+    assert resumed["steps_run"] == list(range(SAVE_EVERY + 1, STEPS + 1))  # started after checkpoint-4
+    # same operations in the same order from the restored weights, optimizer, scheduler, RNG and data position
+    assert resumed["losses"] == fsdp["losses"] and resumed["grad_norms"] == fsdp["grad_norms"]
+    resumed_weights = load_file(runs["dir"] / "resumed" / "model.safetensors")
+    for name, weight in load_file(out / "model.safetensors").items():
+        assert torch.equal(weight, resumed_weights[name]), name
+
+
+def test_final_model_is_a_full_loadable_dat_model(runs):
+    out = runs["dir"] / "fsdp"
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "modeling_dat.py", "tokenizer.json", "README.md"} <= files
+    assert not any(f.startswith("_fsdp") for f in files), files  # no torch FSDP files copied as remote code
+    auto_map = json.loads((out / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_dat.DATForCausalLM"
+    weights = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights  # tied: stored once
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "DATForCausalLM" and model.lm_head.weight is model.model.embed_tokens.weight
+    probe = torch.load(out / "probe_logits.pt", weights_only=True)  # the sharded model's logits, from the worker
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=RTOL, atol=ATOL)
+
