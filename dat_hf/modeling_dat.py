@@ -12,8 +12,6 @@ A DAT layer (pre-norm shown; post-norm is supported):
 """
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import wraps
 
@@ -35,6 +33,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .atomic_save import finish_interrupted_save, save_atomically
 from .configuration_dat import DATConfig, DATEncoderConfig
 from .dual_attention import (
     DATRotaryEmbedding,
@@ -314,27 +313,23 @@ class DATPreTrainedModel(PreTrainedModel):
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, atomic per file (written to a temporary folder, then moved into place),
-        with an `auto_map` covering every Auto class of the family and the modeling files copied beside."""
+        """`PreTrainedModel.save_pretrained`, crash-safe (`atomic_save`: after a failure or a kill at any point the
+        folder loads as the old model or the new one), with an `auto_map` covering every Auto class of the family
+        and the modeling files copied beside. Files other than the model's in the folder are kept."""
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self.auto_classes}
-        if kwargs.get("push_to_hub"):
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        if os.path.isfile(save_directory):
-            raise ValueError(f"`save_directory` ({save_directory}) must be a folder, not a file.")
-        save_directory = os.path.abspath(save_directory)
-        parent = os.path.dirname(save_directory)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".dat_hf_save_", dir=parent)
-        try:
-            super().save_pretrained(tmp, *args, **kwargs)
-            os.makedirs(save_directory, exist_ok=True)
-            for name in os.listdir(tmp):
-                target = os.path.join(save_directory, name)
-                if os.path.isdir(target) and not os.path.islink(target):
-                    shutil.rmtree(target)
-                os.replace(os.path.join(tmp, name), target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save = super().save_pretrained
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        if (kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
+                or getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process)):
+            return save(save_directory, *args, **kwargs)  # uploads, adapters, other ranks: not one whole model here
+        save_atomically(save_directory, lambda staging: save(staging, *args, **kwargs))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, after completing or undoing an interrupted save in a local folder."""
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+            finish_interrupted_save(os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or ""))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # trf-ignore: TRF018 (every parameter of the family is initialised here; nothing is left to the base class)
     @torch.no_grad()

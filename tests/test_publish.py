@@ -16,7 +16,7 @@ from dat_hf.training import load_preset_config
 
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "masking_dat.py", "symbol_retrieval.py",
-            "relational_kernel_cpu.py", "input_validation.py", "README.md"}
+            "relational_kernel_cpu.py", "input_validation.py", "atomic_save.py", "README.md"}
 REPO_ID = "someone/dat-tiny-shakespeare"
 
 

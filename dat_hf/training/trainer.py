@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from transformers import Trainer
 
+from ..atomic_save import fsync_dir
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 PERPLEXITY_METRIC_PATH = REPO_ROOT / "metrics" / "perplexity"
@@ -105,19 +107,6 @@ def parameters_digest(model: torch.nn.Module) -> str:
 
 
 # ---- atomic checkpoints --------------------------------------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class AtomicCheckpointMixin:
     """Writes each `checkpoint-N` under `<run_dir>/.staging/checkpoint-N` (every process writes its part there),
     waits for all processes, then the saving process renames it to `<run_dir>/checkpoint-N` in one `os.replace`
@@ -151,9 +140,9 @@ class AtomicCheckpointMixin:
             self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
             if os.path.isdir(final):  # re-saving the same step: replace the old folder
                 shutil.rmtree(final)
-            _fsync_dir(staging)
+            fsync_dir(staging)
             os.replace(staging, final)
-            _fsync_dir(run_dir)
+            fsync_dir(run_dir)
             shutil.rmtree(staging_root, ignore_errors=True)
             rotate_checkpoints(
                 output_dir=run_dir,
