@@ -12,8 +12,6 @@ A DAT layer (pre-norm shown; post-norm is supported):
 """
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import wraps
 
@@ -36,11 +34,20 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .atomic_save import finish_interrupted_save, save_atomically
 from .configuration_dat import DATConfig, DATEncoderConfig
 from .cache_dat import check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import replaceable
-from .masking_dat import build_masks, check_graph_adjacency, prebuilt_masks
+from .input_validation import (
+    validate_classification_labels,
+    validate_graph_inputs,
+    validate_lm_labels,
+    validate_positions,
+    validate_text_inputs,
+    validate_token_classification,
+)
+from .masking_dat import build_masks, prebuilt_masks
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
@@ -157,10 +164,7 @@ def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=Non
     biases = [bias for pair in layer_biases for bias in pair]
     if isinstance(attention_mask, dict):
         return layer_biases, prebuilt_masks(attention_mask, biases, causal)
-    if any("graph" in pair for pair in layer_biases):
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            raise ValueError("The `graph` relational bias does not support a KV cache (the graph is per input).")
-        check_graph_adjacency(graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1])
+    validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], past_key_values)
     masks = build_masks(biases, config, inputs_embeds, attention_mask, past_key_values, position_ids, graph_adjacency,
                         causal=causal)
     return layer_biases, masks
@@ -172,18 +176,17 @@ def starts_cache(model, use_cache, past_key_values) -> bool:
     return bool(use_cache) and past_key_values is None and not (model.training and torch.is_grad_enabled())
 
 
-def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len, past_seen, device):
-    """The positions of a decoder forward (the caller's, checked, or counted from the cache and padding) ->
-    (position_ids `[b|1, n]`, the positions for the mask builder: the caller's only, since it looks for packed
-    sequences (positions restarting) in them)."""
+def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len, past_seen, device,
+                         name="position_ids"):
+    """The positions of a decoder forward (the caller's, or counted from the cache and padding), checked against the
+    position tables -> (position_ids `[b|1, n]`, the positions for the mask builder: the caller's only, since it looks
+    for packed sequences (positions restarting) in them)."""
     positions_given = position_ids is not None
     if position_ids is None:
         position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, past_seen, device)
-    elif position_ids.shape[-1] != seq_len:
-        raise ValueError(f"`position_ids` must have shape [batch, {seq_len}], got {list(position_ids.shape)}.")
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
-    model._check_positions(position_ids)
+    validate_positions(model.config, model.symbol_retrievers, position_ids, name)
     return position_ids, (position_ids if positions_given else None)
 
 
@@ -242,27 +245,23 @@ class DATPreTrainedModel(PreTrainedModel):
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, atomic per file (written to a temporary folder, then moved into place),
-        with an `auto_map` covering every Auto class of the family and the modeling files copied beside."""
+        """`PreTrainedModel.save_pretrained`, crash-safe (`atomic_save`: after a failure or a kill at any point the
+        folder loads as the old model or the new one), with an `auto_map` covering every Auto class of the family
+        and the modeling files copied beside. Files other than the model's in the folder are kept."""
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self.auto_classes}
-        if kwargs.get("push_to_hub"):
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        if os.path.isfile(save_directory):
-            raise ValueError(f"`save_directory` ({save_directory}) must be a folder, not a file.")
-        save_directory = os.path.abspath(save_directory)
-        parent = os.path.dirname(save_directory)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".dat_hf_save_", dir=parent)
-        try:
-            super().save_pretrained(tmp, *args, **kwargs)
-            os.makedirs(save_directory, exist_ok=True)
-            for name in os.listdir(tmp):
-                target = os.path.join(save_directory, name)
-                if os.path.isdir(target) and not os.path.islink(target):
-                    shutil.rmtree(target)
-                os.replace(os.path.join(tmp, name), target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save = super().save_pretrained
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        if (kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
+                or getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process)):
+            return save(save_directory, *args, **kwargs)  # uploads, adapters, other ranks: not one whole model here
+        save_atomically(save_directory, lambda staging: save(staging, *args, **kwargs))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, after completing or undoing an interrupted save in a local folder."""
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+            finish_interrupted_save(os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or ""))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     # trf-ignore: TRF018 (every parameter of the family is initialised here; nothing is left to the base class)
     @torch.no_grad()
@@ -297,7 +296,10 @@ class DATPreTrainedModel(PreTrainedModel):
 
 
 class DATModel(DATPreTrainedModel):
-    """The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`."""
+    """The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`.
+
+    Inputs are checked first (`input_validation`, the same rules for every family): a bad input raises a ValueError
+    naming the argument; an empty batch or sequence is refused (no empty outputs)."""
 
     is_causal = True
 
@@ -338,10 +340,9 @@ class DATModel(DATPreTrainedModel):
         graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
             Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
-        if input_ids is not None and input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must have shape [batch, seq_len], got {list(input_ids.shape)}.")
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen,
+                             vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
@@ -355,7 +356,6 @@ class DATModel(DATPreTrainedModel):
         if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
             check_cache(prepare_cache(past_key_values, in_place=starts_own_cache))
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
                                                             past_seen, inputs_embeds.device)
 
@@ -373,17 +373,6 @@ class DATModel(DATPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
-    # ---- input checks ------------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_attention_mask(attention_mask, batch_size, total_len):
-        if attention_mask is None or isinstance(attention_mask, dict) or attention_mask.dim() == 4:
-            return
-        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, total_len):
-            raise ValueError(
-                f"`attention_mask` must have shape [batch, past + seq_len] = {[batch_size, total_len]} (1 = token, "
-                f"0 = padding), got {list(attention_mask.shape)}."
-            )
-
     @staticmethod
     def _default_position_ids(attention_mask, batch_size, seq_len, past_seen, device):
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
@@ -391,23 +380,6 @@ class DATModel(DATPreTrainedModel):
             positions = attention_mask.long().cumsum(-1) - 1
             return positions.clamp(min=0)[:, -seq_len:]
         return (torch.arange(seq_len, device=device) + past_seen)[None].expand(batch_size, -1)
-
-    def _check_positions(self, position_ids):
-        limits = []
-        if self.config.position_embedding_type == "learned":
-            limits.append(("max_position_embeddings", self.config.max_position_embeddings, "learned positions"))
-        if self.config.symbol_retrieval == "positional" and self.config.num_relational_heads > 0:
-            limit = self.config.max_symbol_positions or self.config.max_position_embeddings
-            limits.append(("max_symbol_positions", limit, "positional symbols"))
-        if not limits or torch.compiler.is_compiling():
-            return
-        largest = int(position_ids.max())
-        for field, limit, what in limits:
-            if largest >= limit:
-                raise ValueError(
-                    f"Position {largest} is out of range for the {what}: the sequence (with its cache) is longer "
-                    f"than `{field}` = {limit}."
-                )
 
 
 class DATGenerationMixin(GenerationMixin):
@@ -460,6 +432,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         graph_adjacency: torch.BoolTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATCausalLMOutputWithPast:
+        validate_lm_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
         outputs: DATModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -507,6 +480,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutputWithPast:
+        validate_classification_labels(self.config, labels, input_ids, inputs_embeds)
         outputs = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -596,11 +570,8 @@ class DATForTokenClassification(DATPreTrainedModel):
         graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
             Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
         """
+        validate_token_classification(self.config, input_ids, inputs_embeds, node_features, labels)
         if node_features is not None:
-            if self.node_proj is None:
-                raise ValueError("`node_features` needs `config.num_node_features` (the width of the node features).")
-            if input_ids is not None or inputs_embeds is not None:
-                raise ValueError("Give only one of `input_ids`, `inputs_embeds` or `node_features`.")
             inputs_embeds = self.node_proj(node_features)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         outputs = self.model(

@@ -41,6 +41,13 @@ from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .cache_dat import check_cache, prepare_cache
 from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, fused_linear
+from .input_validation import (
+    validate_encoder_states,
+    validate_positions,
+    validate_seq2seq_inputs,
+    validate_source_length,
+    validate_text_inputs,
+)
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
     DATMLP,
@@ -392,30 +399,20 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     @merge_with_config_defaults
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("The encoder needs exactly one of `input_ids` or `inputs_embeds`.")
-        if input_ids is not None and input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must have shape [batch, source_len], got {list(input_ids.shape)}.")
+        stack = self.stack_config
+        vocab_field = "encoder_vocab_size" if self.config.encoder_vocab_size else "vocab_size"
+        validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, vocab_size=stack.source_vocab_size,
+                             hidden_size=stack.hidden_size, vocab_field=vocab_field)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
-        stack = self.stack_config
-        if seq_len > stack.max_position_embeddings:
-            raise ValueError(
-                f"The source has {seq_len} tokens, more than `encoder_max_position_embeddings` = "
-                f"{stack.max_position_embeddings}; truncate it (e.g. `tokenizer(..., truncation=True, "
-                f"max_length={stack.max_position_embeddings})`)."
-            )
-        if attention_mask is not None and attention_mask.dim() == 2 and tuple(attention_mask.shape) != (batch_size, seq_len):
-            raise ValueError(
-                f"`attention_mask` must have the shape of the source [batch, source_len] = {[batch_size, seq_len]}, "
-                f"got {list(attention_mask.shape)}."
-            )
+        validate_source_length(seq_len, stack.max_position_embeddings, "encoder_max_position_embeddings")
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         if position_ids is None:
             position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, 0, inputs_embeds.device)
+        validate_positions(stack, self.symbol_retrievers, position_ids)
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            stack.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
@@ -462,23 +459,15 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 position_ids=None, past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("The decoder needs exactly one of `decoder_input_ids` or `decoder_inputs_embeds`.")
-        if encoder_hidden_states is None:
-            raise ValueError("The decoder needs `encoder_hidden_states` (the encoder's output).")
+        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
+        past_seen = past_key_values.self_attention_cache.get_seq_length() if past_key_values is not None else 0
+        validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen, prefix="decoder_",
+                             vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
-        if encoder_hidden_states.shape[0] != batch_size:
-            raise ValueError(
-                f"Batch size mismatch: {batch_size} target sequences but {encoder_hidden_states.shape[0]} source "
-                "sequences (`decoder_input_ids`/`labels` and `input_ids`/`encoder_outputs` must have the same batch size)."
-            )
-        if encoder_attention_mask is not None and tuple(encoder_attention_mask.shape) != tuple(encoder_hidden_states.shape[:2]):
-            raise ValueError(
-                f"`attention_mask` must have the shape of the source [batch, source_len] = "
-                f"{list(encoder_hidden_states.shape[:2])}, got {list(encoder_attention_mask.shape)}."
-            )
+        validate_encoder_states(encoder_hidden_states, encoder_attention_mask, batch_size, self.config.hidden_size)
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
@@ -486,15 +475,11 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         starts_own_cache = starts_cache(self, use_cache, past_key_values)  # (a user's dynamic cache keeps its layers)
         if starts_own_cache:
             past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
-            raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
         if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
             check_cache(prepare_cache(past_key_values, in_place=starts_own_cache))
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
-        past_seen = self_cache.get_seq_length() if self_cache is not None else 0
-        DATModel._check_attention_mask(attention_mask, batch_size, past_seen + seq_len)
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
-                                                            past_seen, inputs_embeds.device)
+                                                            past_seen, inputs_embeds.device, "decoder_position_ids")
 
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            self.config.position_embedding_type)
@@ -539,26 +524,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return DATDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
-    def _check_positions(self, position_ids):
-        limits = []
-        if self.config.position_embedding_type == "learned":
-            limits.append(("max_position_embeddings", self.config.max_position_embeddings, "learned positions"))
-        if self.config.symbol_retrieval == "positional" and self.symbol_retrievers is not None:
-            limits.append(("max_symbol_positions", self.symbol_retrievers.retrievers[0].max_positions,
-                           "positional symbols"))
-        if not limits or torch.compiler.is_compiling():
-            return
-        largest = int(position_ids.max())
-        for field, limit, what in limits:
-            if largest >= limit:
-                raise ValueError(
-                    f"Target position {largest} is out of range for the decoder's {what}: the target (with its cache) "
-                    f"is longer than `{field}` = {limit}."
-                )
-
 
 class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
-    """Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`."""
+    """Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`.
+
+    The encoder and the decoder check their inputs first (`input_validation`): a bad input raises a ValueError naming
+    the argument; an empty batch, source or decoder input is refused (no empty outputs)."""
 
     _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
 
@@ -712,27 +683,10 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATSeq2SeqLMOutput:
-        if labels is not None:
-            if labels.dim() != 2:
-                raise ValueError(f"`labels` must have shape [batch, target_len], got {list(labels.shape)}.")
-            if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        if decoder_input_ids is None and decoder_inputs_embeds is None:
-            raise ValueError(
-                "DATForSeq2SeqLM needs `labels` (training: decoder inputs are built by shifting them right) or "
-                "`decoder_input_ids` / `decoder_inputs_embeds`."
-            )
-        target = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds
-        source = input_ids if input_ids is not None else inputs_embeds
-        if source is not None and source.shape[0] != target.shape[0]:
-            raise ValueError(
-                f"Batch size mismatch: {source.shape[0]} source sequences (`input_ids`) but {target.shape[0]} target "
-                "sequences (`decoder_input_ids`/`labels`)."
-            )
-        if labels is not None and tuple(labels.shape) != tuple(target.shape[:2]):
-            raise ValueError(
-                f"`labels` {list(labels.shape)} must have the shape of the decoder inputs {list(target.shape[:2])}."
-            )
+        validate_seq2seq_inputs(input_ids, inputs_embeds, decoder_input_ids, decoder_inputs_embeds, labels,
+                                self.config.vocab_size)
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         outputs: DATSeq2SeqModelOutput = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -30,6 +30,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_dat_vision import DATVisionConfig
 from .dual_attention import DATRotaryEmbedding
+from .input_validation import classification_problem, validate_classification_labels, validate_pixel_values
 from .modeling_dat import (
     DATDecoderLayer,
     DATPreTrainedModel,
@@ -104,25 +105,6 @@ class DATVisionEmbeddings(nn.Module):
             self.position_embeddings = nn.Parameter(torch.empty(1, config.num_patches + 1, config.hidden_size))
         self.dropout = nn.Dropout(config.embedding_dropout)
 
-    def check_pixel_values(self, pixel_values, interpolate_pos_encoding: bool):
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.dim() != 4:
-            shape = list(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
-            raise ValueError(f"`pixel_values` must be a tensor [batch, channels, height, width], got {shape}.")
-        _, c, h, w = pixel_values.shape
-        if c != self.config.num_channels:
-            raise ValueError(
-                f"`pixel_values` has {c} channels but the model expects `num_channels` = {self.config.num_channels} "
-                "(convert the images, e.g. with the image processor's `do_convert_rgb` / `do_convert_grayscale`)."
-            )
-        (ph, pw), (eh, ew) = self.config.patch_hw, self.config.image_hw
-        if h % ph != 0 or w % pw != 0:
-            raise ValueError(f"Image size {h}x{w} is not divisible by the patch size {ph}x{pw} (`patch_size`).")
-        if not interpolate_pos_encoding and (h, w) != (eh, ew) and self.position_embeddings is not None:
-            raise ValueError(
-                f"Input image size {h}x{w} doesn't match the model's `image_size` {eh}x{ew}; pass "
-                "`interpolate_pos_encoding=True` to interpolate the position embeddings."
-            )
-
     def interpolate_pos_encoding(self, rows: int, cols: int) -> torch.Tensor:
         """Position embeddings `[1, 1 + rows * cols, d]` for a `rows x cols` patch grid: the patch embeddings of the
         training grid are resized bicubically (as ViT), the CLS embedding is kept."""
@@ -138,7 +120,6 @@ class DATVisionEmbeddings(nn.Module):
         return torch.cat([cls_pos, patch_pos.permute(0, 2, 3, 1).reshape(1, rows * cols, dim)], dim=1)
 
     def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False):
-        self.check_pixel_values(pixel_values, interpolate_pos_encoding)
         (ph, pw), (h, w) = self.config.patch_hw, pixel_values.shape[-2:]
         rows, cols = h // ph, w // pw
         dtype = self.patch_embeddings.projection.weight.dtype
@@ -176,7 +157,8 @@ class DATVisionPreTrainedModel(DATPreTrainedModel):
 
 class DATVisionModel(DATVisionPreTrainedModel):
     """The ViDAT encoder. pixel_values `[b, c, H, W]` -> last_hidden_state `[b, 1 + N, d]` (CLS first) and
-    pooler_output `[b, d]` (CLS state or mean over tokens, `config.pooling`)."""
+    pooler_output `[b, d]` (CLS state or mean over tokens, `config.pooling`). Inputs are checked first
+    (`input_validation`): bad `pixel_values` raise a ValueError naming them; an empty batch is refused."""
 
     def __init__(self, config: DATVisionConfig):
         super().__init__(config)
@@ -209,15 +191,13 @@ class DATVisionModel(DATVisionPreTrainedModel):
         graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
             Per-image attention graph (CLS token first) for layers whose relational bias is `graph`.
         """
-        if pixel_values is None:
-            raise ValueError("You have to specify `pixel_values`.")
+        validate_pixel_values(self.config, pixel_values, bool(interpolate_pos_encoding), self.symbol_retrievers)
         output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         hidden_states, (rows, cols) = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
         batch_size, seq_len, _ = hidden_states.shape
         position_ids = torch.arange(seq_len, device=hidden_states.device)[None].expand(batch_size, -1)
-        self._check_symbol_positions(seq_len)
         position_embeddings = None
         if self.config.position_embedding_type == "rope":
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -237,56 +217,6 @@ class DATVisionModel(DATVisionPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
         return DATVisionModelOutput(last_hidden_state=hidden_states, pooler_output=pooled)
-
-    def _check_symbol_positions(self, seq_len: int):
-        if self.config.symbol_retrieval == "positional" and self.symbol_retrievers is not None:
-            limit = self.config.max_symbol_positions or self.config.max_position_embeddings
-            if seq_len > limit:
-                raise ValueError(
-                    f"The image gives {seq_len} tokens (CLS + patches) but the positional symbols cover only "
-                    f"`max_symbol_positions` = {limit}."
-                )
-
-
-def _problem_type(config, labels: torch.Tensor) -> str:
-    """The loss of an HF classifier: regression for 1 label, single-label for integer labels, else multi-label."""
-    if config.problem_type is not None:
-        return config.problem_type
-    if config.num_labels == 1:
-        return "regression"
-    if labels.dtype in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
-        return "single_label_classification"
-    return "multi_label_classification"
-
-
-def check_labels(labels: torch.Tensor, logits: torch.Tensor, config) -> str:
-    """Validate `labels` for the configured problem type; returns the problem type."""
-    problem = _problem_type(config, labels)
-    num_labels = config.num_labels
-    if problem == "single_label_classification":
-        if labels.is_floating_point():
-            raise ValueError(f"Single-label classification needs integer `labels`, got dtype {labels.dtype}.")
-        if labels.numel() != logits.shape[0]:
-            raise ValueError(f"`labels` must have one class index per image ({logits.shape[0]}), got shape "
-                             f"{list(labels.shape)}.")
-        valid = labels[labels != -100]
-        if not torch.compiler.is_compiling() and valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= num_labels):
-            bad = valid[(valid < 0) | (valid >= num_labels)][0].item()
-            raise ValueError(
-                f"Label {bad} is out of range: `labels` must be class indices in [0, {num_labels - 1}] "
-                f"(`num_labels` = {num_labels}; -100 = ignored)."
-            )
-    elif problem == "multi_label_classification":
-        if tuple(labels.shape) != tuple(logits.shape):
-            raise ValueError(f"Multi-label classification needs `labels` of shape {list(logits.shape)} (one 0/1 target "
-                             f"per class), got {list(labels.shape)}.")
-    elif problem == "regression":
-        if labels.numel() != logits.numel():
-            raise ValueError(f"Regression needs {logits.numel()} targets (shape {list(logits.shape)}), got shape "
-                             f"{list(labels.shape)}.")
-    else:
-        raise ValueError(f"Unknown `problem_type` {problem!r}.")
-    return problem
 
 
 class DATForImageClassification(DATVisionPreTrainedModel):
@@ -323,6 +253,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
             Per-image attention graph for layers whose relational bias is `graph`.
         """
+        validate_classification_labels(self.config, labels, pixel_values)
         kwargs.pop("num_items_in_batch", None)
         outputs: DATVisionModelOutput = self.model(
             pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, graph_adjacency=graph_adjacency, **kwargs
@@ -331,7 +262,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         loss = None
         if labels is not None:
             labels = labels.to(logits.device)
-            self.config.problem_type = check_labels(labels, logits, self.config)
+            self.config.problem_type = classification_problem(self.config, labels)
             loss = self.loss_function(labels, logits, self.config)
         return DATImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,

@@ -223,13 +223,13 @@ def test_neither_input_ids_nor_inputs_embeds():
 
 def test_input_ids_of_wrong_rank():
     model = make()
-    with pytest.raises(ValueError, match=r"`input_ids` must have shape \[batch, seq_len\], got \[5\]"):
+    with pytest.raises(ValueError, match=r"`input_ids` must be a tensor of shape \[batch, seq_len\], got shape \[5\]"):
         model(ids(1, 5)[0])
 
 
 def test_position_ids_of_wrong_length():
     model = make()
-    with pytest.raises(ValueError, match=r"`position_ids` must have shape \[batch, 5\]"):
+    with pytest.raises(ValueError, match=r"`position_ids` must be of shape \[batch, seq_len\] = \[1, 5\].*got shape \[1, 4\]"):
         model(ids(1, 5), position_ids=torch.arange(4)[None])
 
 

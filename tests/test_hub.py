@@ -171,7 +171,7 @@ def test_auto_classes_in_process(tmp_path):
 
 
 def test_save_is_idempotent_and_overwrites(tmp_path):
-    """Saving twice into the same folder replaces the weights (atomic per-file save)."""
+    """Saving twice into the same folder replaces the weights (crash-safe save: see test_atomic_save.py)."""
     make_model(seed=0).save_pretrained(tmp_path)
     second = make_model(seed=1)
     second.save_pretrained(tmp_path)

@@ -148,9 +148,9 @@ def test_image_not_divisible_by_patch_size_is_a_clear_error():
 
 def test_labels_out_of_range_is_a_clear_error():
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"Label 3 is out of range: .* \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"`labels` must be class indices in \[0, 2\] \(`num_labels` = 3\).*got label 3"):
         model(torch.randn(2, 1, 16, 16), labels=torch.tensor([0, 3]))
-    with pytest.raises(ValueError, match=r"Label -1 is out of range"):
+    with pytest.raises(ValueError, match=r"`labels` must be class indices .*got label -1"):
         model(torch.randn(2, 1, 16, 16), labels=torch.tensor([-1, 0]))
     # -100 is the ignore index, as in every HF classifier
     assert torch.isfinite(model(torch.randn(2, 1, 16, 16), labels=torch.tensor([-100, 2])).loss)
@@ -175,7 +175,7 @@ def test_losses_follow_problem_type():
     out = model(x, labels=targets)
     assert model.config.problem_type == "multi_label_classification"
     assert torch.allclose(out.loss, torch.nn.functional.binary_cross_entropy_with_logits(out.logits, targets))
-    with pytest.raises(ValueError, match="Multi-label classification needs `labels` of shape"):
+    with pytest.raises(ValueError, match=r"`labels` must be of shape \[4, 3\] .* for multi-label classification, got shape \[4, 2\]"):
         model(x, labels=torch.ones(4, 2))
 
     model = tiny_model(num_labels=1)

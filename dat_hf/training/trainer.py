@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from transformers import Trainer
 
+from ..atomic_save import fsync_dir
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 PRESETS_DIR = PACKAGE_DIR / "presets"  # model presets (package data)
 METRICS_DIR = PACKAGE_DIR / "metrics"  # offline `evaluate` modules, one folder each (package data)
@@ -107,19 +109,6 @@ def parameters_digest(model: torch.nn.Module) -> str:
 
 
 # ---- atomic checkpoints --------------------------------------------------------------------------------------------
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class AtomicCheckpointMixin:
     """Writes each `checkpoint-N` under `<run_dir>/.staging/checkpoint-N` (every process writes its part there),
     waits for all processes, then the saving process renames it to `<run_dir>/checkpoint-N` in one `os.replace`
@@ -153,9 +142,9 @@ class AtomicCheckpointMixin:
             self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
             if os.path.isdir(final):  # re-saving the same step: replace the old folder
                 shutil.rmtree(final)
-            _fsync_dir(staging)
+            fsync_dir(staging)
             os.replace(staging, final)
-            _fsync_dir(run_dir)
+            fsync_dir(run_dir)
             shutil.rmtree(staging_root, ignore_errors=True)
             rotate_checkpoints(
                 output_dir=run_dir,
