@@ -273,9 +273,3 @@ def test_base_model_errors_too():
     with pytest.raises(ValueError, match=r"exactly one of `input_ids` or `inputs_embeds`"):
         model()
 
-
-def test_fixed_shape_cache_is_refused():
-    """The packed per-layer cache (keys and values of different widths) needs a DynamicCache."""
-    model = DATForCausalLM(tiny_config()).eval()
-    with pytest.raises(ValueError, match=r"need a `DynamicCache`, got StaticCache"):
-        model.generate(torch.randint(0, 97, (1, 4)), max_new_tokens=2, cache_implementation="static")
