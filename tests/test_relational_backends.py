@@ -167,7 +167,7 @@ CASES = {
     "relative-symbols": dict(relative=True, mask="causal"),
     "output-attentions": dict(output_attentions=True, mask="bool"),
 }
-FP32_ONLY = {"cpu", "flex_attention"}
+FP32_ONLY = {"cpu", "flex_attention", "triton"}
 
 
 def expected_unsupported(backend, spec):
@@ -180,6 +180,10 @@ def expected_unsupported(backend, spec):
         return not fused
     if backend in ("cpu", "flex_attention"):  # bool masks only (flex: as a BlockMask)
         return not fused or spec["mask"] == "additive"
+    if backend == "triton":  # CUDA; CPU tensors only under the interpreter (`test_triton_kernel.py` runs that)
+        from dat_hf.kernels.triton_relational import INTERPRETED
+
+        return not fused or spec["mask"] == "additive" or not INTERPRETED
     raise AssertionError(f"the case matrix has no expectation for backend {backend!r}")
 
 
@@ -202,6 +206,7 @@ def run_case(backend, case, dtype=torch.float64, grad=True):
 
 
 BACKENDS = ["eager", "sdpa", "flex_attention", "cpu"]
+BACKENDS += ["triton"] if "triton" in RELATIONAL_ATTENTION_FUNCTIONS else []  # registered when triton imports
 
 
 def test_every_registered_backend_is_in_the_matrix():

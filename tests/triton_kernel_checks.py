@@ -1,0 +1,246 @@
+"""Checks of the Triton relational attention kernel (`dat_hf/kernels/triton_relational.py`), run by
+`test_triton_kernel.py` in a child pytest with `TRITON_INTERPRET=1` (CPU tensors through Triton's interpreter). On a
+CUDA machine, run them directly with compiled kernels: `python -m pytest tests/triton_kernel_checks.py`.
+
+- the shared case matrix of `test_relational_backends.py` for the `triton` backend: float32 messages and the
+  gradients of the queries, keys, symbol values, relation queries, relation keys and W_r within 2e-5 of the float64
+  reference; the cases it cannot run (relation activations, position-relative symbols, weights, additive masks) are
+  declined;
+- the op against the reference split into its two aggregations, for head chunks with padded heads (12 heads over 4 kv
+  heads), head and relation dims that are not powers of two, causal prefill after a cache, a strided (model-layout)
+  query, a mask that isolates receivers (zeros and zero gradients, no NaN);
+- float16 and bfloat16 values and gradients against the float64 reference on the same rounded inputs;
+- decoding steps (one receiver, no gradients) through the backend, with padding;
+- models: a tiny `DATForCausalLM` with `relational_attn_implementation="triton"` gives the `eager` backend's logits
+  and gradients (GQA, padded sliding window) and its greedy generation; under bfloat16 autocast the kernel runs in
+  bfloat16; `torch.compile` traces the ops (fake kernels, autograd formula) and gives eager's gradients.
+"""
+
+import pytest
+import test_relational_backends as matrix
+import torch
+from conftest import tiny_config
+from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
+                              reference_parts, right_padding)
+from torch._dynamo.backends.registry import lookup_backend
+
+from dat_hf import DATForCausalLM
+from dat_hf.kernels import triton_relational as kernel
+from dat_hf.masking_dat import AttentionMask
+from dat_hf.relational_attention import eager_relational_attention
+
+DEVICE = "cpu" if kernel.INTERPRETED else "cuda"
+SCALING, RELATION_SCALING = 0.37, 0.61
+
+
+@pytest.fixture(autouse=True)
+def _a_device():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.fail("no CUDA device: run these checks with TRITON_INTERPRET=1 (see test_triton_kernel.py)")
+
+
+# ---- the shared case matrix ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(matrix.CASES))
+def test_matrix_case(case):
+    """The shared matrix's check (values and gradients within 2e-5 in float32, or a declined call where the matrix
+    expects one)."""
+    if not kernel.INTERPRETED:
+        pytest.skip("the shared matrix builds CPU tensors; on CUDA the op and model checks below cover the kernel")
+    matrix.test_backend_matches_reference("triton", case)
+
+
+def test_matrix_runs_what_the_cpu_kernel_runs():
+    """Under the interpreter the matrix runs the triton backend on every case of the fused scope (as the CPU kernel)."""
+    supported = [case for case, spec in matrix.CASES.items() if not matrix.expected_unsupported("triton", spec)]
+    assert supported == [case for case, spec in matrix.CASES.items() if not matrix.expected_unsupported("cpu", spec)]
+    assert len(supported) >= 15
+
+
+# ---- the op ---------------------------------------------------------------------------------------------------------
+def run_op(spec, dtype=torch.float32, causal=True, mask=None, transpose_query=False, seed=0):
+    """(outputs, float64 reference outputs, gradients of the five inputs, float64 reference gradients); the reference
+    runs on the inputs rounded to `dtype`. mask: None or bool `[b|1, 1, q|1, kv]`, on top of `causal`."""
+    rounded = [t.detach().to(dtype) for t in make_inputs(seed=seed, **spec)]
+    inputs64 = [t.double().requires_grad_() for t in rounded]
+    b, q_len, kv_len = rounded[0].shape[0], rounded[0].shape[2], rounded[1].shape[2]
+    reference_mask = AttentionMask(None, None, causal)
+    if mask is not None:
+        full = mask.expand(b, 1, q_len, kv_len)
+        reference_mask = AttentionMask(causal_and(full, q_len, kv_len) if causal else full, None, False)
+    expected = reference_parts(*inputs64, reference_mask, SCALING, RELATION_SCALING)
+    inputs = [t.to(DEVICE).requires_grad_() for t in rounded]
+    query = inputs[0]
+    if transpose_query:  # the model's layout: [b, q, h, d] storage viewed as [b, h, q, d]
+        query = query.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        inputs[0] = query
+    got = kernel.relational_attention_op(query, inputs[1], inputs[2].expand(b, -1, -1, -1), inputs[3], inputs[4],
+                                         causal, SCALING, RELATION_SCALING, None if mask is None else mask.to(DEVICE))
+    gen = torch.Generator().manual_seed(11)
+    grads_out = [torch.randn(e.shape, generator=gen, dtype=torch.float64) for e in expected]
+    grads = torch.autograd.grad(got, inputs, [g.to(dtype).to(DEVICE) for g in grads_out])
+    grads64 = torch.autograd.grad(expected, inputs64, grads_out)
+    return got, expected, grads, grads64
+
+
+NAMES = ["query", "key", "symbol values", "relation queries", "relation keys"]
+
+
+def assert_matches(got, expected, grads, grads64, atol, rtol=0.0, dtype=torch.float32):
+    for g, e, name in zip(got, expected, ["attended symbols", "attended relations"]):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        assert_close(g.cpu(), e, atol=atol, rtol=rtol, what=name)
+    for g, e, name in zip(grads, grads64, NAMES):
+        assert g.dtype == dtype and g.shape == e.shape, name
+        assert_close(g.cpu(), e, atol=atol, rtol=rtol, what=f"gradient of {name}")
+
+
+OP_CASES = {  # (spec, causal, mask builder)
+    "head-chunks-padded-heads-gqa": (dict(h=12, h_kv=4, q_len=9, kv_len=9, d=17, R=5, d_r=20), True, None),
+    "causal-after-cache-crosses-blocks": (dict(b=1, q_len=20, kv_len=45, d=8, R=2, d_r=4), True, None),
+    "full-crosses-blocks-mask-per-row": (dict(b=2, h_kv=2, q_len=18, kv_len=35, d=8, R=3, d_r=4), False,
+                                         lambda: random_bool_mask(2, 18, 35, seed=4)),
+    "padding-shared-over-receivers": (dict(b=3, q_len=7, kv_len=19), False, lambda: right_padding(3, 19, [19, 8, 2])),
+    "causal-and-mask-shared-over-batch": (dict(b=2, q_len=12, kv_len=12), True,
+                                          lambda: random_bool_mask(1, 12, 12, seed=5)),
+}
+
+
+@pytest.mark.parametrize("case", list(OP_CASES))
+def test_op_matches_reference(case):
+    spec, causal, make_mask = OP_CASES[case]
+    assert_matches(*run_op(spec, causal=causal, mask=make_mask() if make_mask else None), atol=2e-5, rtol=2e-5)
+
+
+def test_strided_query():
+    got, expected, grads, grads64 = run_op(dict(h_kv=2), transpose_query=True)
+    assert_matches(got, expected, grads, grads64, atol=2e-5, rtol=2e-5)
+
+
+def test_receivers_without_senders_get_zeros_and_zero_gradients():
+    b, q_len = 2, 9
+    inputs = [t.detach().float().to(DEVICE).requires_grad_() for t in make_inputs(b=b, q_len=q_len, kv_len=q_len)]
+    mask = torch.ones(b, 1, q_len, q_len, dtype=torch.bool)
+    mask[1, :, 4] = False  # receiver 4 of row 1 has no sender
+    mask[0, :, :, 2:] = False  # and row 0's receivers see senders 0 and 1 only (receiver 0: sender 0)
+    symbols, relations = kernel.relational_attention_op(*inputs, True, SCALING, RELATION_SCALING, mask.to(DEVICE))
+    assert torch.isfinite(symbols).all() and torch.isfinite(relations).all()
+    assert (symbols[1, 4] == 0).all() and (relations[1, 4] == 0).all()
+    grads = torch.autograd.grad(symbols.sum() + relations.sum(), inputs)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][1, :, 4] == 0).all() and (grads[3][1, 4] == 0).all()  # its query and relation query
+    assert (grads[1][0, :, 2:] == 0).all() and (grads[4][0, 2:] == 0).all()  # senders nobody sees
+    expected = reference_parts(*[t.detach().double().cpu() for t in inputs],
+                               AttentionMask(causal_and(mask, q_len, q_len), None, False), SCALING, RELATION_SCALING)
+    assert_close(symbols[0].cpu(), expected[0][0], atol=2e-5)  # a fully visible row is unaffected
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    """Values and gradients from half-precision inputs with float32 accumulation, against the float64 reference on the
+    same rounded inputs: within 0.2% (float16) / 2% (bfloat16) of the largest entry, and closer than the reference
+    itself computed in that dtype."""
+    spec = dict(h=4, h_kv=2, q_len=20, kv_len=36, d=16, R=3, d_r=16)
+    got, expected, grads, grads64 = run_op(spec, dtype=dtype)
+    assert_matches(got, expected, grads, grads64, atol=0.0, rtol={torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype],
+                   dtype=dtype)
+    in_dtype = reference_parts(*[t.detach().to(dtype) for t in make_inputs(**spec)], AttentionMask(None, None, True),
+                               SCALING, RELATION_SCALING)
+    for g, r, e in zip(got, in_dtype, expected):
+        assert (g.cpu().double() - e).abs().max() < (r.double() - e).abs().max()
+
+
+def test_bad_inputs_name_the_problem():
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    qr, kr = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3, 4)
+    op = kernel.relational_attention_op
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        op(*(t.double() for t in (q, k, v, qr, kr)), True, 1.0, 1.0)
+    with pytest.raises(ValueError, match="symbol values must be a 4-d"):
+        op(q, k, v.half(), qr, kr, True, 1.0, 1.0)
+    with pytest.raises(ValueError, match="relation queries"):
+        op(q, k, v, qr[:, :4], kr, True, 1.0, 1.0)
+    with pytest.raises(ValueError, match="h divisible by h_kv"):
+        op(q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), qr, kr, True, 1.0, 1.0)
+    with pytest.raises(ValueError, match="causal attention needs kv_len >= q_len"):
+        op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], True, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"the mask must be bool \[b\|1, 1, q\|1, kv\] = \[2\|1, 1, 5\|1, 5\]"):
+        op(q, k, v, qr, kr, True, 1.0, 1.0, torch.ones(2, 1, 5, 4, dtype=torch.bool))
+
+
+# ---- the backend: decoding and models ----------------------------------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True])
+def test_decoding_step(padded):
+    """One receiver per row after a 33-token cache (three sender blocks), no gradients, W_r applied."""
+    b, kv_len = 3, 33
+    inputs = make_inputs(b=b, h=4, h_kv=2, q_len=1, kv_len=kv_len)
+    module = Heads(h=4, h_kv=2)
+    mask = AttentionMask(right_padding(b, kv_len, [33, 20, 5]) if padded else None, None, True)
+    with torch.no_grad():
+        expected, _, _ = eager_relational_attention(module, *inputs, mask, SCALING, RELATION_SCALING)
+        module32 = Heads(h=4, h_kv=2, relation_proj=module.relation_proj.detach().float().to(DEVICE))
+        mask32 = mask._replace(mask=None if mask.mask is None else mask.mask.to(DEVICE))
+        got, _, _ = kernel.triton_relational_attention(module32, *(t.float().to(DEVICE) for t in inputs), mask32,
+                                                       SCALING, RELATION_SCALING)
+    assert got.shape == (b, 1, 4, 6)
+    assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5, what="decoding step")
+
+
+@pytest.mark.parametrize("name", ["gqa", "sliding-window-padded"])
+def test_causal_lm_logits_and_gradients_equal_eager(name):
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(**matrix.LM_CONFIGS[name])).to(DEVICE)
+    x = torch.randint(0, model.config.vocab_size, (3, 21), device=DEVICE)
+    inputs = {"input_ids": x}
+    if name.endswith("padded"):  # rows padded on the left by 0, 5 and 11 tokens
+        inputs["attention_mask"] = (torch.arange(21, device=DEVICE)[None]
+                                    >= torch.tensor([0, 5, 11], device=DEVICE)[:, None]).long()
+    matrix.assert_backends_agree(model, inputs, backends=("triton",))  # also: every layer ran the triton backend
+
+
+def test_greedy_generation_equals_eager():
+    torch.manual_seed(1)
+    model = DATForCausalLM(tiny_config(num_relational_key_value_heads=1)).to(DEVICE).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), device=DEVICE)
+    generated = {}
+    for backend in ("eager", "triton"):
+        model.config.relational_attn_implementation = backend
+        with count_backend_calls(backend) as calls:
+            generated[backend] = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert calls[0] == 6 * model.config.num_hidden_layers, backend  # prefill + 5 decoding steps
+    assert torch.equal(generated["triton"], generated["eager"])
+
+
+def test_autocast_runs_the_kernel_in_bfloat16():
+    torch.manual_seed(2)
+    model = DATForCausalLM(tiny_config()).to(DEVICE).train()
+    x = torch.randint(0, model.config.vocab_size, (2, 19), device=DEVICE)
+    with torch.no_grad():
+        expected = model(x).logits  # float32, automatic selection
+    model.config.relational_attn_implementation = "triton"
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), count_backend_calls("triton") as calls:
+        logits = model(x).logits
+        assert_close(logits.float(), expected, atol=5e-2, what="bfloat16 autocast logits")
+        logits.float().logsumexp(-1).mean().backward()
+    assert calls[0] == model.config.num_hidden_layers
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_torch_compile_traces_the_ops():
+    """The ops are opaque to the compiler (fake kernels, an autograd formula traced by AOTAutograd): compiled logits
+    and gradients equal eager ones."""
+    torch.manual_seed(3)
+    model = DATForCausalLM(tiny_config(relational_attn_implementation="triton")).to(DEVICE).train()
+    x = torch.randint(0, model.config.vocab_size, (2, 13), device=DEVICE)
+    expected, expected_grads = matrix.logits_and_grads(model, {"input_ids": x})
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    logits, grads = matrix.logits_and_grads(compiled, {"input_ids": x})
+    assert any("triton_relational_forward" in graph for graph in graphs)
+    assert_close(logits, expected, atol=1e-5)
+    for g, e in zip(grads, expected_grads):
+        assert_close(g, e, atol=1e-5, rtol=1e-4)
