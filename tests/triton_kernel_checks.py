@@ -57,16 +57,20 @@ def test_matrix_runs_what_the_cpu_kernel_runs():
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------------
+def op_reference_mask(b, q_len, kv_len, causal, mask=None):
+    """The op's masking as an explicit mask for the reference: `mask` (bool `[b|1, 1, q|1, kv]`, or none) on top of
+    the op's causal order, in which receiver i sits at position kv - q + i."""
+    full = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool) if mask is None else mask.expand(b, 1, q_len, kv_len)
+    return AttentionMask(causal_and(full, q_len, kv_len) if causal else full, None, False)
+
+
 def run_op(spec, dtype=torch.float32, causal=True, mask=None, transpose_query=False, seed=0):
     """(outputs, float64 reference outputs, gradients of the five inputs, float64 reference gradients); the reference
     runs on the inputs rounded to `dtype`. mask: None or bool `[b|1, 1, q|1, kv]`, on top of `causal`."""
     rounded = [t.detach().to(dtype) for t in make_inputs(seed=seed, **spec)]
     inputs64 = [t.double().requires_grad_() for t in rounded]
     b, q_len, kv_len = rounded[0].shape[0], rounded[0].shape[2], rounded[1].shape[2]
-    reference_mask = AttentionMask(None, None, causal)
-    if mask is not None:
-        full = mask.expand(b, 1, q_len, kv_len)
-        reference_mask = AttentionMask(causal_and(full, q_len, kv_len) if causal else full, None, False)
+    reference_mask = op_reference_mask(b, q_len, kv_len, causal, mask)
     expected = reference_parts(*inputs64, reference_mask, SCALING, RELATION_SCALING)
     inputs = [t.to(DEVICE).requires_grad_() for t in rounded]
     query = inputs[0]
@@ -143,8 +147,8 @@ def test_half_precision(dtype):
     got, expected, grads, grads64 = run_op(spec, dtype=dtype)
     assert_matches(got, expected, grads, grads64, atol=0.0, rtol={torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype],
                    dtype=dtype)
-    in_dtype = reference_parts(*[t.detach().to(dtype) for t in make_inputs(**spec)], AttentionMask(None, None, True),
-                               SCALING, RELATION_SCALING)
+    in_dtype = reference_parts(*[t.detach().to(dtype) for t in make_inputs(**spec)],
+                               op_reference_mask(2, spec["q_len"], spec["kv_len"], True), SCALING, RELATION_SCALING)
     for g, r, e in zip(got, in_dtype, expected):
         assert (g.cpu().double() - e).abs().max() < (r.double() - e).abs().max()
 
