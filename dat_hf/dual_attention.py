@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Dual attention: sensory (self-attention) heads beside relational heads, one implementation for every DAT model.
 
     DualAttention(x, s) = [SensoryAttention(x) | RelationalAttention(x, s)] W_o      (heads concatenated)

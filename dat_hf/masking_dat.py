@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Relational inductive biases as attention masks (one small mask library for every DAT model).
 
 Each bias is an attention graph (receiver i may attend to sender j), as in "On the relational inductive biases of

@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Symbol retrievers: where each sender's symbol `s_j` in relational attention comes from.
 
 - `SymbolicAttention`: symbols retrieved from a learned library by attention on the features (`s_j` depends only on
