@@ -39,7 +39,7 @@ def _check_probability(name, value):
         raise ValueError(f"`{name}` must be a probability in [0, 1), got {value!r}.")
 
 
-@strict(accept_kwargs=True)
+@strict
 class DualAttentionConfig(PreTrainedConfig):
     r"""Fields shared by every DAT model. Dimensions follow the paper:
 
@@ -272,7 +272,7 @@ class DualAttentionConfig(PreTrainedConfig):
                     raise ValueError(f"`sparse_edges` entries must be [receiver, sender] index pairs, got {edge!r}.")
 
 
-@strict(accept_kwargs=True)
+@strict
 class DATConfig(DualAttentionConfig):
     r"""Configuration of [`DATModel`] and [`DATForCausalLM`], the Dual Attention Transformer language model.
 
@@ -300,7 +300,7 @@ class DATConfig(DualAttentionConfig):
         super().__post_init__(**kwargs)
 
 
-@strict(accept_kwargs=True)
+@strict
 class DATEncoderConfig(DualAttentionConfig):
     r"""Configuration of [`DATEncoderModel`] and [`DATForTokenClassification`]: a bidirectional DAT stack (no causal
     order imposed), so every relational bias is allowed (`full` by default; `graph` for node classification).

@@ -24,7 +24,7 @@ from .configuration_dat import (
 CROSS_ATTENTION_TYPES = ("sensory", "dual")
 
 
-@strict(accept_kwargs=True)
+@strict
 class DATSeq2SeqConfig(DualAttentionConfig):
     r"""Configuration of [`DATSeq2SeqModel`] and [`DATForSeq2SeqLM`]: a bidirectional DAT encoder and a causal DAT
     decoder with cross-attention to the encoder.

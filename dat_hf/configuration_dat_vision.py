@@ -33,7 +33,7 @@ def _pair(name, value) -> tuple[int, int]:
     return int(value), int(value)
 
 
-@strict(accept_kwargs=True)
+@strict
 class DATVisionConfig(DualAttentionConfig):
     r"""Configuration of [`DATVisionModel`] and [`DATForImageClassification`], the vision Dual Attention Transformer
     (a ViT whose layers have sensory and relational heads). With `num_relational_heads=0` it is a plain ViT.
