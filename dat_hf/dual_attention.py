@@ -136,9 +136,9 @@ class SensoryAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    def forward(self, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
+    def forward(self, query, key, value, mask: AttentionMask, **kwargs):
         attention_interface: Callable = eager_attention_forward
-        if not output_attentions:  # fused kernels do not return weights
+        if not kwargs.get("output_attentions", False):  # fused kernels do not return weights
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                         eager_attention_forward)
         if attention_interface is eager_attention_forward:
@@ -200,9 +200,10 @@ class RelationalAttention(nn.Module):
         return self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
 
     def forward(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
-                output_attentions=False, relative_position_index=None, **kwargs):
+                relative_position_index=None, **kwargs):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid)."""
+        output_attentions = kwargs.get("output_attentions", False)
         backend = select_relational_attention(self, query, mask, output_attentions)
         messages, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
             self, query, key, symbol_values, relation_queries, relation_keys, mask, scaling=self.scaling,
@@ -224,7 +225,7 @@ class DualAttention(nn.Module):
 
     hidden_states `[b, n, d]`, symbols `[b|1, n, d]` (or the position-relative table) -> output `[b, n, d]`, weights
     `[b, h_s + h_r, n, kv]` (sensory heads first) and relations `[b, R, n, kv]` (both only with
-    `output_attentions`).
+    `output_attentions`, which comes in the kwargs as in Transformers and goes on to both head types).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -262,7 +263,7 @@ class DualAttention(nn.Module):
             self._input_widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
-                past_key_values=None, output_attentions=False, relative_position_index=None, **kwargs):
+                past_key_values=None, relative_position_index=None, **kwargs):
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
         linears = [getattr(relational if owner == "relational" else sensory, name)
@@ -298,7 +299,7 @@ class DualAttention(nn.Module):
 
         outputs, weights, relations = [], [], None
         if sensory is not None:
-            out_s, weights_s = sensory(q_s, k_s, values[0], sensory_mask, output_attentions=output_attentions, **kwargs)
+            out_s, weights_s = sensory(q_s, k_s, values[0], sensory_mask, **kwargs)
             outputs.append(out_s)
             weights.append(weights_s)
         if relational is not None:
@@ -306,11 +307,11 @@ class DualAttention(nn.Module):
                 symbol_values = values[-2]
             out_r, weights_r, relations = relational(
                 q_r, k_r, symbol_values, relation_queries, values[-1], relational_mask,
-                output_attentions=output_attentions, relative_position_index=relative_position_index, **kwargs)
+                relative_position_index=relative_position_index, **kwargs)
             outputs.append(out_r)
             weights.append(weights_r)
         out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return out, (torch.cat(weights, dim=1) if output_attentions else None), relations
+        return out, (torch.cat(weights, dim=1) if kwargs.get("output_attentions", False) else None), relations
 
     def _value_views(self, parts):
         """Flat values `[b, N, width]` (cached as one `[b, 1, N, sum of widths]` slot) -> sensory values and symbol

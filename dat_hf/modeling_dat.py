@@ -200,11 +200,13 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
 
 
 def attentions_imply_relations(func):
-    """`output_attentions=True` also returns the relations."""
+    """`output_attentions` (the config's unless given) travels down in the kwargs to the attention modules, which
+    then return every head's weights (with the eager functions); `output_attentions=True` also returns the relations."""
 
     @wraps(func)
     def wrapper(self, *args, **kwargs):
-        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+        kwargs.setdefault("output_attentions", getattr(self.config, "output_attentions", False))
+        if kwargs["output_attentions"]:
             kwargs.setdefault("output_relations", True)
         return func(self, *args, **kwargs)
 
@@ -341,7 +343,6 @@ class DATModel(DATPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
@@ -367,8 +368,7 @@ class DATModel(DATPreTrainedModel):
                                                 mask_positions, graph_adjacency, causal=self.is_causal)
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
-            position_embeddings=position_embeddings, past_key_values=past_key_values,
-            output_attentions=output_attentions, **kwargs,
+            position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)

@@ -239,8 +239,7 @@ class DATCrossAttention(nn.Module):
             widths += [rel.num_kv_heads * self.head_dim, rel.num_relations * rel.relation_dim]
         return widths
 
-    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, past_key_values=None,
-                output_attentions=False, **kwargs):
+    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, past_key_values=None, **kwargs):
         q_s, q_r, q_rel = self._project_queries(hidden_states)
         cache = past_key_values.cross_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else None
         if cache is not None and past_key_values.is_updated.get(self.layer_idx):
@@ -260,20 +259,18 @@ class DATCrossAttention(nn.Module):
         outputs, weights, relations = [], [], None
         if self.sensory is not None:
             v_s = value_parts[0].view(b, m, -1, self.head_dim).transpose(1, 2)
-            out_s, weights_s = self.sensory(q_s, key_parts[0], v_s, mask, output_attentions=output_attentions,
-                                            **kwargs)
+            out_s, weights_s = self.sensory(q_s, key_parts[0], v_s, mask, **kwargs)
             outputs.append(out_s)
             weights.append(weights_s)
         if self.relational is not None:
             rel = self.relational
             symbol_values = value_parts[-2].view(b, m, -1, self.head_dim).transpose(1, 2)
             relation_keys = value_parts[-1].view(b, m, rel.num_relations, rel.relation_dim)
-            out_r, weights_r, relations = rel(q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask,
-                                              output_attentions=output_attentions, **kwargs)
+            out_r, weights_r, relations = rel(q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask, **kwargs)
             outputs.append(out_r)
             weights.append(weights_r)
         out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return out, (torch.cat(weights, dim=1) if output_attentions else None), relations
+        return out, (torch.cat(weights, dim=1) if kwargs.get("output_attentions", False) else None), relations
 
 
 class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
@@ -394,7 +391,6 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
                 f"`attention_mask` must have the shape of the source [batch, source_len] = {[batch_size, seq_len]}, "
                 f"got {list(attention_mask.shape)}."
             )
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         if position_ids is None:
@@ -407,7 +403,7 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         masks = build_masks(biases, self.config, inputs_embeds, attention_mask, causal=False)
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, [(b, b) for b in biases], masks,
-            position_embeddings=position_embeddings, output_attentions=output_attentions, **kwargs,
+            position_embeddings=position_embeddings, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         return DATEncoderOutput(last_hidden_state=hidden_states)
@@ -462,7 +458,6 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 f"`attention_mask` must have the shape of the source [batch, source_len] = "
                 f"{list(encoder_hidden_states.shape[:2])}, got {list(encoder_attention_mask.shape)}."
             )
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
@@ -514,7 +509,6 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 relational_mask=masks[relational_bias],
                 cross_mask=cross_mask,
                 past_key_values=past_key_values,
-                output_attentions=output_attentions,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

@@ -210,7 +210,6 @@ class DATVisionModel(DATVisionPreTrainedModel):
         """
         if pixel_values is None:
             raise ValueError("You have to specify `pixel_values`.")
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         hidden_states, (rows, cols) = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
@@ -230,8 +229,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
 
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
-            position_embeddings=position_embeddings, output_attentions=output_attentions,
-            relative_position_index=relative_position_index, **kwargs,
+            position_embeddings=position_embeddings, relative_position_index=relative_position_index, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
