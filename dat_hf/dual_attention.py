@@ -128,7 +128,8 @@ class SensoryAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         d, hd = config.hidden_size, self.head_dim
-        # with share_attention_params, queries and keys come from the relational heads' attention projections
+        # CODEPATH: own projections: every released checkpoint; shared (`share_attention_params`): none, the reference's
+        # `share_attn_params` option. With it, queries and keys come from the relational heads' attention projections.
         if not config.share_attention_params:
             self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
             self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
@@ -182,12 +183,16 @@ class RelationalAttention(nn.Module):
         self.max_relative_position = config.max_relative_position
         self.symmetric_relations = config.symmetric_relations
         self.relation_activation = config.relation_activation
+        # CODEPATH: identity: the released LMs (configs/dat-343m.json), the reference's default `rel_activation`;
+        # other activations: no released checkpoint, the reference's `rel_activation` option.
         self.relation_act = ACT2FN[config.relation_activation] if config.relation_activation != "identity" else None
         self.relational_attention_backend = None
         d, hd, rd = config.hidden_size, self.head_dim, self.num_relations * self.relation_dim
         self.q_attn_proj = nn.Linear(d, self.num_heads * hd, bias=False)
         self.k_attn_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
         self.q_rel_proj = nn.Linear(d, rd, bias=False)
+        # CODEPATH: asymmetric relations: the released LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M) and the paper's
+        # math models; symmetric (`r(x, y) = r(y, x)`): the paper's ViDAT and relational-games models (no weights).
         if not config.symmetric_relations:
             self.k_rel_proj = nn.Linear(d, rd, bias=False)
         self.symbol_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)  # W_s
@@ -232,7 +237,11 @@ class DualAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        # CODEPATH: sensory heads: every released checkpoint; none: no released checkpoint (an all-relational stack,
+        # which the reference allows with `n_heads_sa=0`).
         self.sensory = SensoryAttention(config, layer_idx, is_causal) if config.num_sensory_heads > 0 else None
+        # CODEPATH: relational heads: the released DAT LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M); none: the
+        # Transformer baselines (awni00/T-sa24-757M).
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
         self.head_dim = config.head_dim

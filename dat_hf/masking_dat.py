@@ -73,6 +73,8 @@ def _sparse_function(config, device, positions=None):
     """The fixed `sparse` graph over token positions (real tokens only: padding never shifts it)."""
     block, n_global = config.sparse_block_size, config.sparse_global_tokens
     edges = None
+    # CODEPATH: no released checkpoint; dat_hf's `sparse` relational bias given as an explicit edge list (else local
+    # blocks and global tokens only).
     if config.sparse_edges:
         size = max(max(e) for e in config.sparse_edges) + 1
         edges = torch.zeros(size, size, dtype=torch.bool, device=device)

@@ -69,6 +69,9 @@ class DATRMSNorm(nn.Module):
 
 
 def make_norm(config) -> nn.Module:
+    # CODEPATH: rmsnorm: the released LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M, configs/dat-343m.json) and their
+    # Transformer baselines (configs/transformer-*.json); layernorm: the reference package's default, taken by the
+    # paper's ViDAT (ImageNet, CIFAR) and math seq2seq models (no released weights).
     if config.norm_type == "rmsnorm":
         return DATRMSNorm(config.hidden_size, eps=config.norm_eps)
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
@@ -132,8 +135,12 @@ class DATDecoderLayer(GradientCheckpointingLayer):
 
 def init_positions(module, config):
     """Give `module` what `add_positions` uses: learned position embeddings or a RoPE module (or nothing)."""
+    # CODEPATH: learned: the paper's math seq2seq models (their sinusoidal tables, stored as learned embeddings by
+    # conversion) and the reference LM's default `pos_enc_type='pos_emb'`; no released checkpoint.
     if config.position_embedding_type == "learned":
         module.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+    # CODEPATH: rope: the released LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M, awni00/T-sa24-757M). Neither
+    # (`none`): no released checkpoint; dat_hf's permutation-equivariant encoders (node classification).
     elif config.position_embedding_type == "rope":
         module.rotary_emb = DATRotaryEmbedding(config)
 
@@ -304,6 +311,8 @@ class DATModel(DATPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
+        # CODEPATH: relational heads, hence symbols: awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M; none: the Transformer
+        # baseline awni00/T-sa24-757M.
         self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList(
             [DATDecoderLayer(config, i, is_causal=self.is_causal) for i in range(config.num_hidden_layers)]
@@ -394,8 +403,12 @@ class DATModel(DATPreTrainedModel):
 
     def _check_positions(self, position_ids):
         limits = []
+        # CODEPATH: input check. Learned positions have a longest position (no released checkpoint: the reference
+        # LM's default `pos_enc_type='pos_emb'`); RoPE (the released LMs) has none.
         if self.config.position_embedding_type == "learned":
             limits.append(("max_position_embeddings", self.config.max_position_embeddings, "learned positions"))
+        # CODEPATH: input check. Positional symbols: no released LM (they use symbolic attention); the reference's
+        # `symbol_retrieval='positional_symbols'` option, used by the paper's relational-games models.
         if self.config.symbol_retrieval == "positional" and self.config.num_relational_heads > 0:
             limit = self.config.max_symbol_positions or self.config.max_position_embeddings
             limits.append(("max_symbol_positions", limit, "positional symbols"))
@@ -562,6 +575,8 @@ class DATForTokenClassification(DATPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = DATEncoderModel(config)
+        # CODEPATH: no released checkpoint; dat_hf's node classification (node features instead of tokens, e.g.
+        # scripts/node_classification_karate.py). Token inputs otherwise.
         self.node_proj = nn.Linear(config.num_node_features, config.hidden_size) if config.num_node_features else None
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)

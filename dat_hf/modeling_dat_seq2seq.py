@@ -117,6 +117,8 @@ def cross_attention_config(config: DATSeq2SeqConfig) -> StackConfig:
 def decoder_symbol_config(config: DATSeq2SeqConfig) -> StackConfig | DATSeq2SeqConfig:
     """The decoder's retrievers also give `dual` cross-attention its source symbols: positional symbols then need
     room for source positions."""
+    # CODEPATH: no released checkpoint has `dual` cross-attention (dat_hf's relational cross heads); the paper's math
+    # models cross-attend with 8 sensory heads.
     if config.cross_relational_heads > 0 and config.max_symbol_positions is None:
         return StackConfig(config, max_symbol_positions=max(config.max_position_embeddings, config.encoder_max_positions))
     return config
@@ -356,8 +358,12 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.source_vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, stack)
         self.dropout = nn.Dropout(config.embedding_dropout)
+        # CODEPATH: relational heads: the paper's math DAT models (4 sensory + 4 relational encoder heads); none: their
+        # Transformer baselines (8 self-attention heads). No released weights.
         self.symbol_retrievers = SymbolRetrievers(stack) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList([DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)])
+        # CODEPATH: no final norm: the reference `Seq2SeqDualAttnTransformer` (the paper's math models, converted with
+        # `final_norm=False`); a final norm: dat_hf's default for models trained from scratch. No released weights.
         self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
@@ -424,8 +430,11 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
+        # CODEPATH: symbols in the decoder: the paper's math DAT with 4 + 4 decoder heads, and `dual` cross-attention
+        # (dat_hf only); none: its variant with a standard decoder (8 sensory heads). No released weights.
         self.symbol_retrievers = SymbolRetrievers(decoder_symbol_config(config)) if config.decoder_uses_symbols else None
         self.layers = nn.ModuleList([DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        # CODEPATH: as in the encoder: none in the reference's math models, one in dat_hf's default.
         self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
@@ -489,9 +498,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             source_positions = source_position_ids(encoder_attention_mask, batch_size, encoder_hidden_states.shape[1],
                                                    encoder_hidden_states.device)
         if shared_symbols:
+            # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
+            # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
             symbols = retrievers(0, hidden_states, position_ids) if self.config.num_relational_heads > 0 else None
         for i, layer in enumerate(self.layers):
             layer_symbols = symbols
+            # CODEPATH: as above (decoder relational heads: the paper's 4 + 4 math DAT).
             if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:
                 layer_symbols = retrievers(i, hidden_states, position_ids)
             layer_source_symbols = None
@@ -516,8 +528,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
 
     def _check_positions(self, position_ids):
         limits = []
+        # CODEPATH: input check. Learned positions: the paper's math models (sinusoidal tables stored as learned
+        # embeddings); RoPE (scripts/train_seq2seq.py's default) has no longest position. No released weights.
         if self.config.position_embedding_type == "learned":
             limits.append(("max_position_embeddings", self.config.max_position_embeddings, "learned positions"))
+        # CODEPATH: input check. Positional symbols: no released checkpoint (the math models use position-relative
+        # symbols); the reference's `positional_symbols` option.
         if self.config.symbol_retrieval == "positional" and self.symbol_retrievers is not None:
             limits.append(("max_symbol_positions", self.symbol_retrievers.retrievers[0].max_positions,
                            "positional symbols"))
@@ -544,6 +560,8 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         self.post_init()
 
     def _tied_mapping(self):
+        # CODEPATH: separate source and target embeddings: the paper's math models (the reference has two embedders;
+        # `share_embeddings=False` at conversion); shared: dat_hf's default (one vocabulary). No released weights.
         return dict(self._tied_weights_keys) if self.config.share_embeddings else {}
 
     def get_input_embeddings(self):
@@ -551,6 +569,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.encoder.embed_tokens = value
+        # CODEPATH: shared embeddings (dat_hf's default) vs the math models' separate ones, as in `_tied_mapping`.
         if self.config.share_embeddings:
             self.decoder.embed_tokens = value
 
@@ -643,7 +662,8 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
     def _tied_mapping(self):
         if not self.config.tie_word_embeddings:
             return {}
-        # with shared embeddings, tie to the source of the encoder/decoder tie (one parameter for all three)
+        # CODEPATH: tied LM heads are dat_hf's (the math models convert untied: the reference's tying is a no-op). With
+        # shared embeddings (dat_hf's default), tie to the source of the encoder/decoder tie (one parameter for all).
         source = "model.encoder.embed_tokens.weight" if self.config.share_embeddings else "model.decoder.embed_tokens.weight"
         return {"lm_head.weight": source}
 

@@ -78,8 +78,11 @@ class DATVisionPatchEmbeddings(nn.Module):
         self.patch_size = config.patch_hw
         self.num_channels = config.num_channels
         patch_dim = self.patch_size[0] * self.patch_size[1] * config.num_channels
+        # CODEPATH: patch norms: the reference `VisionDualAttnTransformer`, i.e. the paper's ViDAT (ImageNet, CIFAR; no
+        # released weights); a plain linear (ViT's): no released checkpoint, a dat_hf option.
         self.norm_in = nn.LayerNorm(patch_dim, eps=config.norm_eps) if config.patch_norm else nn.Identity()
         self.projection = nn.Linear(patch_dim, config.hidden_size)
+        # CODEPATH: as `norm_in`.
         self.norm_out = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.patch_norm else nn.Identity()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -99,6 +102,8 @@ class DATVisionEmbeddings(nn.Module):
         self.patch_embeddings = DATVisionPatchEmbeddings(config)
         self.cls_token = nn.Parameter(torch.empty(1, 1, config.hidden_size))
         self.position_embeddings = None
+        # CODEPATH: learned: the paper's ViDAT (ImageNet, CIFAR, relational games; the reference's `pos_embedding`);
+        # `rope` / `none`: no released checkpoint, dat_hf options.
         if config.position_embedding_type == "learned":
             self.position_embeddings = nn.Parameter(torch.empty(1, config.num_patches + 1, config.hidden_size))
         self.dropout = nn.Dropout(config.embedding_dropout)
@@ -167,6 +172,7 @@ class DATVisionPreTrainedModel(DATPreTrainedModel):
         if isinstance(module, DATVisionEmbeddings):
             # with `patch_norm` the patch embeddings leave a LayerNorm at unit scale: the CLS token and the positions
             # start at the same scale (standard normal, as the reference), else they would be invisible at first
+            # CODEPATH: patch norms: the paper's ViDAT (the reference); without: a dat_hf option (no checkpoint).
             std = 1.0 if self.config.patch_norm else self.config.initializer_range
             init.normal_(module.cls_token, mean=0.0, std=std)
             if module.position_embeddings is not None:
@@ -180,10 +186,15 @@ class DATVisionModel(DATVisionPreTrainedModel):
     def __init__(self, config: DATVisionConfig):
         super().__init__(config)
         self.embeddings = DATVisionEmbeddings(config)
+        # CODEPATH: rope: no released checkpoint, a dat_hf option; the paper's ViDAT uses learned positions.
         if config.position_embedding_type == "rope":
             self.rotary_emb = DATRotaryEmbedding(config)
+        # CODEPATH: relational heads: the paper's ViDAT (ImageNet: 10 sensory + 6 relational heads; CIFAR: 6 + 6);
+        # none: its ViT baselines (16 / 12 heads). No released weights.
         self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList([DATDecoderLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers)])
+        # CODEPATH: no final norm: the reference's vision models (converted with `final_norm=False`); a final norm:
+        # dat_hf's default (as ViT). No released weights.
         self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
@@ -217,12 +228,16 @@ class DATVisionModel(DATVisionPreTrainedModel):
         position_ids = torch.arange(seq_len, device=hidden_states.device)[None].expand(batch_size, -1)
         self._check_symbol_positions(seq_len)
         position_embeddings = None
+        # CODEPATH: rope: a dat_hf option (no released checkpoint); learned positions (the paper's ViDAT) are added by
+        # the embeddings.
         if self.config.position_embedding_type == "rope":
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
 
         layer_biases, masks = build_layer_masks(self.config, hidden_states, None, position_ids=position_ids,
                                                 graph_adjacency=graph_adjacency, causal=False)
         relative_position_index = None
+        # CODEPATH: 2-D grid offsets: no released checkpoint (dat_hf's `relative_symbols_2d`); the paper's ViDAT uses
+        # the reference's 1-D offsets over the row-major patch sequence.
         if self.config.relative_symbols_2d and self.symbol_retrievers is not None:
             relative_position_index = grid_relative_position_index(
                 rows, cols, self.config.max_relative_position, hidden_states.device)
@@ -232,10 +247,13 @@ class DATVisionModel(DATVisionPreTrainedModel):
             position_embeddings=position_embeddings, relative_position_index=relative_position_index, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
+        # CODEPATH: cls: the paper's ImageNet ViDAT; mean: its CIFAR and relational-games models. No released weights.
         pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
         return DATVisionModelOutput(last_hidden_state=hidden_states, pooler_output=pooled)
 
     def _check_symbol_positions(self, seq_len: int):
+        # CODEPATH: input check. Positional symbols: the paper's relational-games models (no released weights); its
+        # ViDAT uses position-relative symbols.
         if self.config.symbol_retrieval == "positional" and self.symbol_retrievers is not None:
             limit = self.config.max_symbol_positions or self.config.max_position_embeddings
             if seq_len > limit:
