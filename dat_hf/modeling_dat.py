@@ -31,7 +31,7 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.utils import can_return_tuple
+from transformers.utils import auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -43,14 +43,24 @@ from .masking_dat import build_masks, check_graph_adjacency
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
+# What DAT outputs add to Transformers' outputs, in the format `auto_docstring` reads
+DAT_OUTPUT_ARGS = r"""
+attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Attention weights of every head, sensory heads first: one tensor of shape `(batch_size, num_sensory_heads +
+    num_relational_heads, query_length, key_length)` per layer.
+relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    The relations `r(x_i, x_j)` of the relational heads: one tensor of shape `(batch_size, num_relations,
+    query_length, key_length)` per layer.
+"""
+
+
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATModelOutputWithPast(BaseModelOutputWithPast):
-    """`attentions`: every head's weights `[b, h_s + h_r, q, kv]` (sensory heads first), `relations`: the relation
-    tensors `[b, R, q, kv]`, one per layer (with `output_attentions=True`)."""
-
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATCausalLMOutputWithPast(CausalLMOutputWithPast):
     relations: tuple[torch.FloatTensor, ...] | None = None
@@ -220,6 +230,7 @@ def attentions_imply_relations(func):
     return wrapper
 
 
+@auto_docstring
 class DATPreTrainedModel(PreTrainedModel):
     config: DATConfig
     base_model_prefix = "model"
@@ -301,8 +312,8 @@ class DATPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, module.compute_inv_freq())
 
 
+@auto_docstring(custom_intro="The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`.")
 class DATModel(DATPreTrainedModel):
-    """The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`."""
 
     is_causal = True
 
@@ -330,6 +341,7 @@ class DATModel(DATPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -342,8 +354,13 @@ class DATModel(DATPreTrainedModel):
         **kwargs,
     ) -> DATModelOutputWithPast:
         r"""
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
-            Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
+            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
+
+        Returns:
+            [`DATModelOutputWithPast`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size,
+            sequence_length, hidden_size)`, the cache, and on request the hidden states, the attention weights of every
+            head and the relations.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
@@ -436,8 +453,10 @@ class DATGenerationMixin(GenerationMixin):
             use_in_place_cache_layers(getattr(cache, "self_attention_cache", cache), max_cache_length)
 
 
+@auto_docstring(
+    custom_intro="DAT language model head. input_ids `[b, n]` -> logits `[b, n, vocab]` (loss with `labels`)."
+)
 class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
-    """DAT language model head. input_ids `[b, n]` -> logits `[b, n, vocab]` (loss with `labels`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -449,6 +468,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -462,6 +482,18 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         graph_adjacency: torch.BoolTensor | None = None,
         **kwargs,
     ) -> DATCausalLMOutputWithPast:
+        r"""
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
+            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Targets of the next-token loss: usually `input_ids` (the loss shifts them, so that position t predicts
+            token t + 1); -100 is ignored.
+
+        Returns:
+            [`DATCausalLMOutputWithPast`] (a tuple with `return_dict=False`): `logits` `(batch_size, sequence_length,
+            vocab_size)` (the last `logits_to_keep` positions), `loss` with `labels`, the cache, and on request the
+            hidden states, the attention weights of every head and the relations.
+        """
         outputs: DATModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -487,8 +519,10 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         )
 
 
+@auto_docstring(
+    custom_intro="Classifies a sequence from its last non-padding token. input_ids `[b, n]` -> logits `[b, labels]`."
+)
 class DATForSequenceClassification(DATPreTrainedModel):
-    """Classifies a sequence from its last non-padding token. input_ids `[b, n]` -> logits `[b, num_labels]`."""
 
     def __init__(self, config: DATConfig):
         super().__init__(config)
@@ -498,6 +532,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -509,6 +544,16 @@ class DATForSequenceClassification(DATPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> SequenceClassifierOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Class indices in `[0, num_labels)`, or regression targets (`num_labels == 1`) or multi-hot targets, as
+            `config.problem_type` says.
+
+        Returns:
+            [`~modeling_outputs.SequenceClassifierOutputWithPast`] (a tuple with `return_dict=False`): `logits`
+            `(batch_size, num_labels)`, `loss` with `labels`, the cache, and on request the hidden states and the
+            attention weights of every head.
+        """
         outputs = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -545,28 +590,36 @@ ENCODER_AUTO_CLASSES = {
 }
 
 
+@auto_docstring(
+    custom_intro=r"""
+    The bidirectional DAT stack: no causal order is imposed, so `full`, `sliding_window_bidirectional`, `sparse` and
+    `graph` biases see both directions (`causal` and `sliding_window` stay ordered). input_ids `[b, n]` (or
+    inputs_embeds `[b, n, d]`) -> last_hidden_state `[b, n, d]`.
+    """
+)
 class DATEncoderModel(DATModel):
-    """The bidirectional DAT stack: no causal order is imposed, so `full`, `sliding_window_bidirectional`, `sparse`
-    and `graph` biases see both directions (`causal` and `sliding_window` stay ordered). input_ids `[b, n]` (or
-    inputs_embeds `[b, n, d]`) -> last_hidden_state `[b, n, d]`."""
 
     config: DATEncoderConfig
     is_causal = False
     auto_classes = ENCODER_AUTO_CLASSES
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATTokenClassifierOutput(TokenClassifierOutput):
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
-class DATForTokenClassification(DATPreTrainedModel):
-    """Classifies every token (node) from a bidirectional DAT stack: the GAT use case with `relational_bias='graph'`.
+@auto_docstring(
+    custom_intro=r"""
+    Classifies every token (node) from a bidirectional DAT stack: the GAT use case with `relational_bias='graph'`.
 
     input_ids `[b, n]`, inputs_embeds `[b, n, d]` or node_features `[b, n, num_node_features]` (with
     `config.num_node_features`), plus graph_adjacency `[b, n, n]` for `graph` layers -> logits `[b, n, num_labels]`
     (cross-entropy loss with `labels` `[b, n]`, -100 = ignored).
     """
+)
+class DATForTokenClassification(DATPreTrainedModel):
 
     config: DATEncoderConfig
     auto_classes = ENCODER_AUTO_CLASSES
@@ -583,6 +636,7 @@ class DATForTokenClassification(DATPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -595,10 +649,17 @@ class DATForTokenClassification(DATPreTrainedModel):
         **kwargs,
     ) -> DATTokenClassifierOutput:
         r"""
-        node_features (`torch.FloatTensor` of shape `[batch, n, config.num_node_features]`, *optional*):
+        node_features (`torch.FloatTensor` of shape `(batch_size, sequence_length, num_node_features)`, *optional*):
             Node features, projected to `hidden_size` (instead of `input_ids` / `inputs_embeds`).
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
-            Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The class index of every token (node) in `[0, num_labels)`; -100 is ignored.
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
+            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
+
+        Returns:
+            [`DATTokenClassifierOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, sequence_length,
+            num_labels)`, `loss` with `labels`, and on request the hidden states, the attention weights of every head
+            and the relations.
         """
         if node_features is not None:
             if self.node_proj is None:

@@ -32,7 +32,7 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.utils import can_return_tuple
+from transformers.utils import auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -42,6 +42,7 @@ from .cache_dat import use_in_place_cache_layers
 from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, fused_linear
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
+    DAT_OUTPUT_ARGS,
     DATMLP,
     DATDecoderLayer,
     DATGenerationMixin,
@@ -145,26 +146,51 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int | None, decoder_s
     return shifted
 
 
+# Cross-attention weights of DAT decoders (every cross head), in the format `auto_docstring` reads
+CROSS_ATTENTION_ARGS = r"""
+cross_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Cross-attention weights of every cross head (sensory heads, then the relational heads of `dual`
+    cross-attention): one tensor of shape `(batch_size, num_cross_heads, target_length, source_length)` per decoder
+    layer.
+"""
+# The encoder's and the decoder's relations (and every head's weights) in the seq2seq outputs
+SEQ2SEQ_OUTPUT_ARGS = CROSS_ATTENTION_ARGS + r"""
+encoder_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Attention weights of every encoder head, sensory heads first: one tensor of shape `(batch_size,
+    num_sensory_heads + num_relational_heads, source_length, source_length)` per encoder layer.
+decoder_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Self-attention weights of every decoder head, sensory heads first: one tensor of shape `(batch_size,
+    num_sensory_heads + num_relational_heads, target_length, key_length)` per decoder layer.
+encoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    The relations of the encoder's relational heads: one tensor of shape `(batch_size, num_relations, source_length,
+    source_length)` per encoder layer.
+decoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    The relations of the decoder self-attention's relational heads: one tensor of shape `(batch_size, num_relations,
+    target_length, key_length)` per decoder layer.
+"""
+
+
+@auto_docstring(custom_args=SEQ2SEQ_OUTPUT_ARGS)
 @dataclass
 class DATSeq2SeqModelOutput(Seq2SeqModelOutput):
-    """Adds the relations `[b, R, q, kv]` of the encoder's and the decoder self-attention's relational heads (the
-    `*attentions` cover every head, sensory heads first)."""
-
     encoder_relations: tuple[torch.FloatTensor, ...] | None = None
     decoder_relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=SEQ2SEQ_OUTPUT_ARGS)
 @dataclass
 class DATSeq2SeqLMOutput(Seq2SeqLMOutput):
     encoder_relations: tuple[torch.FloatTensor, ...] | None = None
     decoder_relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATEncoderOutput(BaseModelOutput):
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS + CROSS_ATTENTION_ARGS)
 @dataclass
 class DATDecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
     relations: tuple[torch.FloatTensor, ...] | None = None
@@ -316,6 +342,7 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+@auto_docstring
 class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
     config: DATSeq2SeqConfig
     base_model_prefix = "model"
@@ -377,7 +404,20 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> DATEncoderOutput:
+        r"""
+        Returns:
+            [`DATEncoderOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, source_length,
+            hidden_size)`, and on request the hidden states, the attention weights of every head and the relations.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("The encoder needs exactly one of `input_ids` or `inputs_embeds`.")
         if input_ids is not None and input_ids.dim() != 2:
@@ -448,8 +488,25 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                position_ids=None, past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.FloatTensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DATDecoderOutput:
+        r"""
+        Returns:
+            [`DATDecoderOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, target_length,
+            hidden_size)`, the cache, and on request the hidden states, the (cross-)attention weights of every head
+            and the relations.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("The decoder needs exactly one of `decoder_input_ids` or `decoder_inputs_embeds`.")
         if encoder_hidden_states is None:
@@ -548,8 +605,10 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 )
 
 
+@auto_docstring(
+    custom_intro="Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`."
+)
 class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
-    """Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`."""
 
     _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
 
@@ -580,6 +639,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         return self.decoder
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -595,11 +655,13 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         **kwargs,
     ) -> DATSeq2SeqModelOutput:
         r"""
-        input_ids / inputs_embeds: the source `[b, m]`; attention_mask `[b, m]`: 1 = token, 0 = padding (honoured in
-            the encoder and in cross-attention).
-        decoder_input_ids / decoder_inputs_embeds: the target prefix `[b, n]` (starting with
-            `decoder_start_token_id`); `DATForSeq2SeqLM` builds it from `labels` when absent.
-        encoder_outputs: a precomputed encoder output (skips the encoder).
+        decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Positions of the target tokens (default: counted from the cache and the decoder's padding).
+
+        Returns:
+            [`DATSeq2SeqModelOutput`] (a tuple with `return_dict=False`): the decoder's `last_hidden_state`
+            `(batch_size, target_length, hidden_size)`, the encoder's, the cache, and on request the hidden states,
+            the (cross-)attention weights of every head and the relations of both stacks.
         """
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
@@ -646,10 +708,14 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         )
 
 
-class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
-    """DAT encoder-decoder with a language-model head. (input_ids `[b, m]`, decoder_input_ids or labels `[b, n]`) ->
+@auto_docstring(
+    custom_intro=r"""
+    DAT encoder-decoder with a language-model head. (input_ids `[b, m]`, decoder_input_ids or labels `[b, n]`) ->
     logits `[b, n, vocab]`; loss = plain token cross-entropy on `labels` (-100 ignored), which are *not* shifted:
-    `logits[:, t]` predicts `labels[:, t]` (decoder inputs are the labels shifted right)."""
+    `logits[:, t]` predicts `labels[:, t]` (decoder inputs are the labels shifted right).
+    """
+)
+class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
 
@@ -691,6 +757,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -707,6 +774,19 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> DATSeq2SeqLMOutput:
+        r"""
+        decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Positions of the target tokens (default: counted from the cache and the decoder's padding).
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Target token ids (-100 ignored), *not* shifted: `logits[:, t]` predicts `labels[:, t]`. Without
+            `decoder_input_ids`, the decoder inputs are the labels shifted right behind `decoder_start_token_id`.
+
+        Returns:
+            [`DATSeq2SeqLMOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, target_length,
+            vocab_size)` (the last `logits_to_keep` positions), `loss` with `labels`, the encoder's
+            `last_hidden_state`, the cache, and on request the hidden states, the (cross-)attention weights of every
+            head and the relations of both stacks.
+        """
         if labels is not None:
             if labels.dim() != 2:
                 raise ValueError(f"`labels` must have shape [batch, target_len], got {list(labels.shape)}.")

@@ -23,13 +23,14 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
-from transformers.utils import can_return_tuple
+from transformers.utils import auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_dat_vision import DATVisionConfig
 from .dual_attention import DATRotaryEmbedding
 from .modeling_dat import (
+    DAT_OUTPUT_ARGS,
     DATDecoderLayer,
     DATPreTrainedModel,
     attentions_imply_relations,
@@ -40,14 +41,19 @@ from .modeling_dat import (
 from .symbol_retrieval import SymbolRetrievers
 
 
+@auto_docstring(
+    custom_args=DAT_OUTPUT_ARGS
+    + r"""
+pooler_output (`torch.FloatTensor` of shape `(batch_size, hidden_size)`):
+    The CLS token's final state, or the mean over every token (`config.pooling`).
+"""
+)
 @dataclass
 class DATVisionModelOutput(BaseModelOutputWithPooling):
-    """`attentions`: every head's weights `[b, h_s + h_r, n, n]` (sensory heads first), `relations`: the relation
-    tensors `[b, R, n, n]`, one per layer (with `output_attentions=True`)."""
-
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATImageClassifierOutput(ImageClassifierOutput):
     relations: tuple[torch.FloatTensor, ...] | None = None
@@ -153,6 +159,7 @@ class DATVisionEmbeddings(nn.Module):
         return self.dropout(embeddings), (rows, cols)
 
 
+@auto_docstring
 class DATVisionPreTrainedModel(DATPreTrainedModel):
     config: DATVisionConfig
     base_model_prefix = "model"
@@ -179,9 +186,13 @@ class DATVisionPreTrainedModel(DATPreTrainedModel):
                 init.normal_(module.position_embeddings, mean=0.0, std=std)
 
 
+@auto_docstring(
+    custom_intro=r"""
+    The ViDAT encoder. pixel_values `[b, c, H, W]` -> last_hidden_state `[b, 1 + N, d]` (CLS first) and pooler_output
+    `[b, d]` (CLS state or mean over tokens, `config.pooling`).
+    """
+)
 class DATVisionModel(DATVisionPreTrainedModel):
-    """The ViDAT encoder. pixel_values `[b, c, H, W]` -> last_hidden_state `[b, 1 + N, d]` (CLS first) and
-    pooler_output `[b, d]` (CLS state or mean over tokens, `config.pooling`)."""
 
     def __init__(self, config: DATVisionConfig):
         super().__init__(config)
@@ -205,6 +216,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
+    @auto_docstring
     def forward(
         self,
         pixel_values: torch.FloatTensor | None = None,
@@ -216,8 +228,13 @@ class DATVisionModel(DATVisionPreTrainedModel):
         interpolate_pos_encoding (`bool`, *optional*):
             Interpolate the learned position embeddings to the input's patch grid (images of another size than
             `config.image_size`).
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
-            Per-image attention graph (CLS token first) for layers whose relational bias is `graph`.
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, 1 + num_patches, 1 + num_patches)`, *optional*):
+            Per-image attention graph (CLS token first) of the layers whose relational bias is `graph`.
+
+        Returns:
+            [`DATVisionModelOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, 1 +
+            num_patches, hidden_size)`, `pooler_output` `(batch_size, hidden_size)`, and on request the hidden states,
+            the attention weights of every head and the relations.
         """
         if pixel_values is None:
             raise ValueError("You have to specify `pixel_values`.")
@@ -304,12 +321,15 @@ def check_labels(labels: torch.Tensor, logits: torch.Tensor, config) -> str:
     return problem
 
 
-class DATForImageClassification(DATVisionPreTrainedModel):
-    """ViDAT with a linear head on the pooled state. pixel_values `[b, c, H, W]` -> logits `[b, num_labels]`.
+@auto_docstring(
+    custom_intro=r"""
+    ViDAT with a linear head on the pooled state. pixel_values `[b, c, H, W]` -> logits `[b, num_labels]`.
 
     With `labels`: cross-entropy (integer labels, `num_labels > 1`), BCE-with-logits (float multi-hot labels) or MSE
     (`num_labels == 1`), or as `config.problem_type` says, like every HF classifier.
     """
+)
+class DATForImageClassification(DATVisionPreTrainedModel):
 
     accepts_loss_kwargs = False
 
@@ -322,6 +342,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         pixel_values: torch.FloatTensor | None = None,
@@ -331,12 +352,17 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         **kwargs,
     ) -> DATImageClassifierOutput:
         r"""
-        labels (`torch.LongTensor` of shape `[batch]` or `torch.FloatTensor` `[batch, num_labels]`, *optional*):
+        labels (`torch.Tensor` of shape `(batch_size,)` or `(batch_size, num_labels)`, *optional*):
             Class indices in `[0, num_labels)` (single-label), multi-hot targets (multi-label) or regression targets.
         interpolate_pos_encoding (`bool`, *optional*):
             Interpolate the position embeddings to the input's patch grid.
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
-            Per-image attention graph for layers whose relational bias is `graph`.
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, 1 + num_patches, 1 + num_patches)`, *optional*):
+            Per-image attention graph (CLS token first) of the layers whose relational bias is `graph`.
+
+        Returns:
+            [`DATImageClassifierOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, num_labels)`,
+            `loss` with `labels`, and on request the hidden states, the attention weights of every head and the
+            relations.
         """
         kwargs.pop("num_items_in_batch", None)
         outputs: DATVisionModelOutput = self.model(
