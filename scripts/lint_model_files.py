@@ -75,20 +75,21 @@ def lint(folder: Path) -> list[dict]:
     return json.loads(report.read_text(encoding="utf-8"))["findings"]
 
 
-def check(keep_dir: str | None = None) -> tuple[list[dict], list[dict], dict[str, Path]]:
-    """Lint the remote-code files -> (accepted findings, failing findings, {linted name: source file})."""
+def lint_files(files: list[Path], keep_dir: str | None = None) -> tuple[list[dict], list[dict], dict[str, Path]]:
+    """Copy `files` into one folder under their lint names and lint them -> (accepted findings, failing findings,
+    {linted name: source file}). Each finding gets `source`, the file it is about."""
     folder = Path(keep_dir or tempfile.mkdtemp(prefix="dat_hf_lint_"))
     folder.mkdir(parents=True, exist_ok=True)
     try:
         sources = {}
-        for path in remote_code_files():
+        for path in files:
             name = lint_name(path)
             shutil.copyfile(path, folder / name)
             sources[name] = path
         accepted, failing = [], []
         for finding in lint(folder):
             source = sources.get(Path(finding["path"]).name)
-            finding["source"] = str(source.relative_to(REPO_ROOT) if source else finding["path"])
+            finding["source"] = _shown(source) if source else finding["path"]
             if finding["rule"] == ACCEPTED_RULE and source is not None and has_mit_header(source):
                 accepted.append(finding)
             else:
@@ -99,13 +100,22 @@ def check(keep_dir: str | None = None) -> tuple[list[dict], list[dict], dict[str
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def check(keep_dir: str | None = None) -> tuple[list[dict], list[dict], dict[str, Path]]:
+    """Lint the remote-code files (see `lint_files`)."""
+    return lint_files(remote_code_files(), keep_dir)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep_dir", default=None, help="Lint in this folder and keep it (default: a temp folder).")
     parser.add_argument("--json", default=None, help="Also write the findings to this JSON file.")
     args = parser.parse_args(argv)
     accepted, failing, sources = check(args.keep_dir)
-    print(f"Linted {len(sources)} files: " + ", ".join(sorted(str(p.relative_to(REPO_ROOT)) for p in sources.values())))
+    print(f"Linted {len(sources)} files: " + ", ".join(sorted(_shown(path) for path in sources.values())))
     for finding in sorted(accepted + failing, key=lambda f: (f["source"], f["line"], f["rule"])):
         status = "accepted" if finding in accepted else "FAIL"
         print(f"{finding['source']}:{finding['line']}: [{status}] {finding['message']}")
