@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Cache layers for DAT decoding (PyTorch only).
 
 One cache layer per DAT layer holds both head types (see `DualAttention`): keys `[b, h_kv_s + h_kv_r, n, d_h]` and

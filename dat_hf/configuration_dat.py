@@ -11,6 +11,7 @@ config (`model_type="dat"`). Vision and seq2seq configs subclass `DualAttentionC
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.utils import auto_docstring
 
 SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
@@ -39,48 +40,103 @@ def _check_probability(name, value):
         raise ValueError(f"`{name}` must be a probability in [0, 1), got {value!r}.")
 
 
-@strict(accept_kwargs=True)
-class DualAttentionConfig(PreTrainedConfig):
-    r"""Fields shared by every DAT model. Dimensions follow the paper:
+# The fields every DAT config shares, in the format `auto_docstring` reads (each config's `__doc__` starts with them;
+# the type, `*optional*` and the default of each field come from the config class itself).
+DUAL_ATTENTION_ARGS = r"""
+    num_sensory_heads (`int`):
+        Sensory (self-attention) heads per layer. All heads have dimension `head_dim = hidden_size //
+        (num_sensory_heads + num_relational_heads)`; either head count may be 0, not both.
+    num_relational_heads (`int`):
+        Relational heads per layer. Head h sends `sum_j a_ij (r(x_i, x_j) W_r + s_j W_s)`, with the relation vector
+        `r` and the sender's symbol `s_j` (see `symbol_retrieval`).
+    num_sensory_key_value_heads (`int`):
+        Key/value heads of the sensory heads (grouped-query attention); None = one per head.
+    num_relational_key_value_heads (`int`):
+        Key heads (and symbol-value heads) of the relational heads (grouped-query attention); None = one per head.
+    num_relations (`int`):
+        Components of the relation vector `r(x_i, x_j)`; None = `num_relational_heads`.
+    relation_dim (`int`):
+        Dimension of each relation's query/key projection; None = `num_relational_heads * head_dim //
+        num_relations`.
+    relation_activation (`str`):
+        Activation applied to the relations (`identity` lets the fused backends run).
+    symmetric_relations (`bool`):
+        Share the relation query and key projections, so that `r(x, y) = r(y, x)`.
+    share_attention_params (`bool`):
+        Sensory and relational heads share their attention query/key projections (needs equal head counts).
+    symbol_retrieval (`str`):
+        Where each sender's symbol comes from: `symbolic_attention` (attention over a learned symbol library),
+        `positional` (a learned embedding of the position) or `position_relative` (an embedding of the clipped
+        offset `j - i`).
+    num_symbols (`int`):
+        Size of the symbol library of symbolic attention.
+    symbolic_attention_heads (`int`):
+        Heads of symbolic attention.
+    symbolic_attention_scale (`float`):
+        Softmax scale of symbolic attention; None = `1 / sqrt(hidden_size / symbolic_attention_heads)`.
+    trainable_symbols (`bool`):
+        Train the symbol library of symbolic attention (else it stays at its random initialisation).
+    max_relative_position (`int`):
+        Clipping distance `K` of position-relative symbols (a table of `2K + 1` symbols).
+    max_symbol_positions (`int`):
+        Size of the positional symbol library; None = `max_position_embeddings`.
+    shared_symbol_retriever (`bool`):
+        One symbol retriever for all layers (else one per layer).
+    tie_symbol_library (`bool`):
+        With one retriever per layer, share one symbol library (symbolic attention and positional symbols).
+    intermediate_size (`int`):
+        Width of the feed-forward layers; None = `4 * hidden_size`, or `8/3 * hidden_size` for `swiglu`.
+    hidden_act (`str`):
+        Activation of the feed-forward layers; `swiglu` is the gated `down(silu(gate(x)) * up(x))`.
+    norm_type (`str`):
+        `rmsnorm` or `layernorm`.
+    pre_norm (`bool`):
+        Normalize the input of each sublayer (pre-norm); False normalizes after the residual (post-norm).
+    position_embedding_type (`str`):
+        `rope`, `learned` (absolute embeddings added to the inputs) or `none`.
+    rope_theta (`float`):
+        Base period of the RoPE frequencies.
+    relational_bias (`str`):
+        Attention graph of every head: one of `full`, `causal`, `sliding_window`, `sliding_window_bidirectional`,
+        `sparse`, `graph` (those the model type allows), or a list with one per layer.
+    relational_heads_bias (`str`):
+        Attention graph of the relational heads only (a string or one per layer); None = `relational_bias`.
+    sliding_window_size (`int`):
+        Window `p` of the `sliding_window*` graphs: a token sees its `p` previous tokens (and, bidirectional, its `p`
+        next ones) and itself.
+    sparse_block_size (`int`):
+        Local blocks of the `sparse` graph: tokens of one block see each other.
+    sparse_global_tokens (`int`):
+        The first tokens of the `sparse` graph, which see and are seen by every token.
+    sparse_edges (`list[list[int]]`):
+        Extra `[receiver, sender]` edges of the `sparse` graph.
+    hidden_dropout (`float`):
+        Dropout on the output of every sublayer (training only).
+    symbol_dropout (`float`):
+        Dropout of symbolic attention's weights (training only).
+    attention_bias (`bool`):
+        Bias of the key, value and symbol-value projections.
+    attention_out_bias (`bool`):
+        Bias of the attention output projections.
+    relational_attn_implementation (`str`):
+        Backend of the relational heads: `eager`, `sdpa`, `flex_attention`, or a compiled one that `import dat_hf`
+        registers (e.g. `cpu`). None picks the fastest backend that supports each call, following
+        `attn_implementation`; an explicit choice that cannot run a call raises.
+"""
 
-    - each layer has `num_sensory_heads` self-attention heads and `num_relational_heads` relational heads, all of
-      dimension `head_dim = hidden_size // (num_sensory_heads + num_relational_heads)`;
-    - relational heads send `sum_j a_ij (r(x_i, x_j) W_r + s_j W_s)` where `r` has `num_relations` components, each an
-      inner product of `relation_dim`-dimensional projections (`num_relations * relation_dim ==
-      num_relational_heads * head_dim`), and `s_j` is the sender's symbol from `symbol_retrieval`.
 
-    Args:
-        hidden_size: model width `d`.
-        num_hidden_layers: number of dual-attention blocks.
-        num_sensory_heads / num_relational_heads: heads of each kind per layer (either may be 0, not both).
-        num_sensory_key_value_heads / num_relational_key_value_heads: grouped-query attention (None = MHA).
-        num_relations: components of the relation vector `r(x_i, x_j)` (None = `num_relational_heads`).
-        relation_dim: dimension of each relation's query/key projection (None = derived).
-        relation_activation: activation applied to relations (`identity` allows the fused kernel path).
-        symmetric_relations: share the relation query and key projections (`r(x, y) = r(y, x)`).
-        share_attention_params: sensory and relational heads share their attention query/key projections.
-        symbol_retrieval: `symbolic_attention`, `positional` or `position_relative`.
-        num_symbols / symbolic_attention_heads / symbolic_attention_scale / trainable_symbols: symbolic attention.
-        max_relative_position: clipping distance of position-relative symbols.
-        max_symbol_positions: size of the positional symbol library (None = `max_position_embeddings`).
-        shared_symbol_retriever: one symbol retriever for all layers (else one per layer).
-        tie_symbol_library: with per-layer retrievers, share the symbol library (symbolic attention/positional).
-        intermediate_size / hidden_act: feed-forward width and activation (`swiglu` is gated).
-        norm_type / norm_eps / pre_norm: normalization kind, epsilon, pre-norm (True) or post-norm.
-        position_embedding_type / rope_theta / max_position_embeddings: positions.
-        relational_bias: attention graph of every head (a string, or one string per layer).
-        relational_heads_bias: optional override of the graph for relational heads only.
-        sliding_window_size: window `p` of the `sliding_window*` biases (a token sees `p` previous tokens and itself).
-        sparse_block_size / sparse_global_tokens / sparse_edges: the fixed `sparse` graph (local blocks plus global
-            tokens, or an explicit list of `[receiver, sender]` edges).
-        attention_dropout / hidden_dropout / embedding_dropout / symbol_dropout: dropout rates (training only).
-        attention_bias / attention_out_bias / mlp_bias: bias of key/value projections, of attention output
-            projections, and of feed-forward layers.
-        relational_attn_implementation: the relational heads' backend (`eager`, `sdpa`, `flex_attention`, or a
-            compiled one that `import dat_hf` registers, e.g. `cpu`); None (default) picks the fastest backend that
-            supports each call, following `attn_implementation` (see `dat_hf.relational_attention`). An explicit
-            choice that cannot run a call raises.
+@auto_docstring(
+    custom_intro=r"""
+    The fields shared by every DAT model (dual attention, symbols, relational biases, feed-forward, norms, positions),
+    validated at construction. Dimensions follow the paper: each layer has `num_sensory_heads` self-attention heads and
+    `num_relational_heads` relational heads of dimension `hidden_size // (num_sensory_heads + num_relational_heads)`;
+    relational heads send `sum_j a_ij (r(x_i, x_j) W_r + s_j W_s)`, where `r` has `num_relations` components, each an
+    inner product of `relation_dim`-dimensional projections, and `s_j` is the sender's symbol.
     """
+)
+@strict
+class DualAttentionConfig(PreTrainedConfig):
+    __doc__ = DUAL_ATTENTION_ARGS
 
     hidden_size: int = 256
     num_hidden_layers: int = 4
@@ -272,11 +328,14 @@ class DualAttentionConfig(PreTrainedConfig):
                     raise ValueError(f"`sparse_edges` entries must be [receiver, sender] index pairs, got {edge!r}.")
 
 
-@strict(accept_kwargs=True)
+@auto_docstring(
+    custom_intro="Configuration of [`DATModel`] and [`DATForCausalLM`], the Dual Attention Transformer language model."
+)
+@strict
 class DATConfig(DualAttentionConfig):
-    r"""Configuration of [`DATModel`] and [`DATForCausalLM`], the Dual Attention Transformer language model.
-
+    __doc__ = DUAL_ATTENTION_ARGS + r"""
     Example:
+
     ```python
     >>> from dat_hf import DATConfig, DATForCausalLM
     >>> config = DATConfig(vocab_size=1000, hidden_size=128, num_sensory_heads=2, num_relational_heads=2)
@@ -300,18 +359,23 @@ class DATConfig(DualAttentionConfig):
         super().__post_init__(**kwargs)
 
 
-@strict(accept_kwargs=True)
+@auto_docstring(
+    custom_intro=r"""
+    Configuration of [`DATEncoderModel`] and [`DATForTokenClassification`]: a bidirectional DAT stack (no causal order
+    imposed), so every relational bias is allowed (`full` by default; `graph` for node classification).
+    """
+)
+@strict
 class DATEncoderConfig(DualAttentionConfig):
-    r"""Configuration of [`DATEncoderModel`] and [`DATForTokenClassification`]: a bidirectional DAT stack (no causal
-    order imposed), so every relational bias is allowed (`full` by default; `graph` for node classification).
-
-    Args:
-        vocab_size: token vocabulary (inputs may also be `inputs_embeds` or `node_features`).
-        num_node_features: when set, `DATForTokenClassification` accepts `node_features` `[b, n, num_node_features]`
-            and projects them to `hidden_size`.
-        classifier_dropout: dropout before the token classification head.
+    __doc__ = DUAL_ATTENTION_ARGS + r"""
+    vocab_size (`int`):
+        Token vocabulary (inputs may also be `inputs_embeds` or `node_features`).
+    num_node_features (`int`):
+        When set, [`DATForTokenClassification`] accepts `node_features` `[b, n, num_node_features]` and projects them
+        to `hidden_size`.
 
     Example:
+
     ```python
     >>> from dat_hf import DATEncoderConfig, DATForTokenClassification
     >>> config = DATEncoderConfig(hidden_size=32, num_sensory_heads=2, num_relational_heads=2, relational_bias="graph",

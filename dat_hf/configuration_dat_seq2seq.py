@@ -11,9 +11,11 @@ vocabulary. The decoder depth is `num_hidden_layers` (alias `decoder_layers`), s
 """
 
 from huggingface_hub.dataclasses import strict
+from transformers.utils import auto_docstring
 
 from .configuration_dat import (
     CAUSAL_BIASES,
+    DUAL_ATTENTION_ARGS,
     POSITION_EMBEDDINGS,
     RELATIONAL_BIASES,
     DualAttentionConfig,
@@ -24,40 +26,61 @@ from .configuration_dat import (
 CROSS_ATTENTION_TYPES = ("sensory", "dual")
 
 
-@strict(accept_kwargs=True)
+@auto_docstring(
+    custom_intro=r"""
+    Configuration of [`DATSeq2SeqModel`] and [`DATForSeq2SeqLM`]: a bidirectional DAT encoder and a causal DAT
+    decoder with cross-attention to the encoder. The dual-attention fields apply to both stacks; `num_hidden_layers`,
+    `relational_bias`, `relational_heads_bias`, `position_embedding_type` and `max_position_embeddings` describe the
+    decoder.
+    """
+)
+@strict
 class DATSeq2SeqConfig(DualAttentionConfig):
-    r"""Configuration of [`DATSeq2SeqModel`] and [`DATForSeq2SeqLM`]: a bidirectional DAT encoder and a causal DAT
-    decoder with cross-attention to the encoder.
-
-    The inherited [`DualAttentionConfig`] fields apply to both stacks; `num_hidden_layers`, `relational_bias`,
-    `relational_heads_bias`, `position_embedding_type` and `max_position_embeddings` describe the decoder.
-
-    Args:
-        encoder_layers: depth of the encoder.
-        num_hidden_layers (alias `decoder_layers`): depth of the decoder.
-        vocab_size: target (decoder) vocabulary; also the size of the LM head.
-        encoder_vocab_size: source vocabulary (None = `vocab_size`).
-        share_embeddings: encoder and decoder share one token embedding (needs equal vocabularies).
-        tie_word_embeddings: the LM head shares the decoder's token embedding.
-        encoder_relational_bias: attention graph of the encoder's heads (a string, or one per encoder layer; any bias
-            in `RELATIONAL_BIASES`, `full` by default). The decoder's `relational_bias` must be a causal one.
-        encoder_position_embedding_type: `rope`, `learned` or `none` for the source (None = `position_embedding_type`).
-            With `none` and symbolic-attention symbols the encoder is permutation-equivariant.
-        encoder_max_position_embeddings: longest source (None = `max_position_embeddings`); longer sources raise.
-        cross_attention: `sensory` (standard multi-head cross-attention, as in the reference) or `dual` (sensory
-            cross heads beside relational cross heads: target token i attends to source tokens j and receives
-            `sum_j a_ij (r(y_i, x_j) W_r + s_j W_s)`, relations across the encoder/decoder bipartition with the source
-            tokens' symbols `s_j`).
-        num_cross_attention_heads: sensory cross-attention heads (None = all heads `num_sensory_heads +
-            num_relational_heads` for `sensory`, `num_sensory_heads` for `dual`; may be 0 for `dual`).
-        num_cross_relational_heads: relational cross heads of `dual` cross-attention (None = `num_relational_heads`).
-        num_cross_attention_key_value_heads: grouped-query attention for the sensory cross heads (None = MHA).
-        cross_attention_bias / cross_attention_out_bias: bias of the cross key/value and output projections.
-        final_norm: normalize the output of each stack (the reference seq2seq models have no final norm).
-        lm_head_bias: give the LM head a bias (the reference's output layer has one).
-        decoder_start_token_id: first decoder token (`prepare_decoder_input_ids_from_labels` shifts labels right).
+    __doc__ = DUAL_ATTENTION_ARGS + r"""
+    encoder_layers (`int`):
+        Depth of the encoder.
+    num_hidden_layers (`int`):
+        Depth of the decoder (alias `decoder_layers`).
+    vocab_size (`int`):
+        Target (decoder) vocabulary; also the size of the LM head.
+    encoder_vocab_size (`int`):
+        Source vocabulary; None = `vocab_size`.
+    share_embeddings (`bool`):
+        Encoder and decoder share one token embedding (needs equal vocabularies).
+    tie_word_embeddings (`bool`):
+        The LM head shares the decoder's token embedding.
+    encoder_relational_bias (`str`):
+        Attention graph of the encoder's heads (a string, or one per encoder layer; any bias but `graph`). The
+        decoder's `relational_bias` must be a causal one.
+    encoder_position_embedding_type (`str`):
+        `rope`, `learned` or `none` for the source; None = `position_embedding_type`. With `none` and
+        symbolic-attention symbols the encoder is permutation-equivariant.
+    encoder_max_position_embeddings (`int`):
+        Longest source; None = `max_position_embeddings`. Longer sources raise.
+    cross_attention (`str`):
+        `sensory` (standard multi-head cross-attention, as in the reference) or `dual` (sensory cross heads beside
+        relational cross heads: target token i receives `sum_j a_ij (r(y_i, x_j) W_r + s_j W_s)` from the source
+        tokens j, relations across the encoder/decoder bipartition with the source tokens' symbols `s_j`).
+    num_cross_attention_heads (`int`):
+        Sensory cross-attention heads; None = every head (`num_sensory_heads + num_relational_heads`) for `sensory`,
+        `num_sensory_heads` for `dual` (where it may be 0).
+    num_cross_relational_heads (`int`):
+        Relational cross heads of `dual` cross-attention; None = `num_relational_heads`.
+    num_cross_attention_key_value_heads (`int`):
+        Key/value heads of the sensory cross heads (grouped-query attention); None = one per head.
+    cross_attention_bias (`bool`):
+        Bias of the cross-attention key and value projections.
+    cross_attention_out_bias (`bool`):
+        Bias of the cross-attention output projection.
+    final_norm (`bool`):
+        Normalize the output of each stack (the reference seq2seq models have no final norm).
+    lm_head_bias (`bool`):
+        Give the LM head a bias (the reference's output layer has one).
+    decoder_start_token_id (`int`):
+        First decoder token (`prepare_decoder_input_ids_from_labels` shifts the labels right behind it).
 
     Example:
+
     ```python
     >>> from dat_hf import DATSeq2SeqConfig, DATForSeq2SeqLM
     >>> config = DATSeq2SeqConfig(vocab_size=64, hidden_size=64, encoder_layers=2, decoder_layers=2,

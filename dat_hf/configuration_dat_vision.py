@@ -9,8 +9,10 @@ image fields: image and patch size, channels, pooling, and the labels (`id2label
 """
 
 from huggingface_hub.dataclasses import strict
+from transformers.utils import auto_docstring
 
 from .configuration_dat import (
+    DUAL_ATTENTION_ARGS,
     RELATIONAL_BIASES,
     DualAttentionConfig,
     _check_choice,
@@ -33,10 +35,10 @@ def _pair(name, value) -> tuple[int, int]:
     return int(value), int(value)
 
 
-@strict(accept_kwargs=True)
-class DATVisionConfig(DualAttentionConfig):
-    r"""Configuration of [`DATVisionModel`] and [`DATForImageClassification`], the vision Dual Attention Transformer
-    (a ViT whose layers have sensory and relational heads). With `num_relational_heads=0` it is a plain ViT.
+@auto_docstring(
+    custom_intro=r"""
+    Configuration of [`DATVisionModel`] and [`DATForImageClassification`], the vision Dual Attention Transformer (a
+    ViT whose layers have sensory and relational heads; with `num_relational_heads=0` a plain ViT).
 
     The image is cut into `patch_size` patches (row-major on the patch grid), each flattened as (row, column, channel)
     and embedded by `LayerNorm -> Linear -> LayerNorm` (as the authors' `VisionDualAttnTransformer`; `patch_norm=False`
@@ -44,28 +46,39 @@ class DATVisionConfig(DualAttentionConfig):
     patch. The encoder is bidirectional (`relational_bias="full"` by default; every bias is allowed and the 1-D biases
     act on the row-major patch order).
 
-    Args:
-        image_size: input resolution, an int or `[height, width]`. Other sizes need `interpolate_pos_encoding=True`.
-        patch_size: patch size, an int or `[height, width]`; it must divide `image_size`.
-        num_channels: image channels (1 for grayscale, 3 for RGB).
-        pooling: `cls` (the CLS token's final state) or `mean` (the mean over every token, CLS included, as the
-            reference).
-        relative_symbols_2d: with `symbol_retrieval="position_relative"`, the symbol of sender j for receiver i embeds
-            the clipped 2-D offset `(dy, dx)` between their patches on the grid (each clipped to `max_relative_position`)
-            instead of the 1-D offset `j - i` of the row-major sequence. The table has `(2K + 1)^2 + 1` rows: row
-            `(dy + K) * (2K + 1) + dx + K` for two patches, and a dedicated last row for every pair involving the CLS
-            token (which has no place on the grid).
-        patch_norm: LayerNorm before and after the patch projection (the reference's patch embedding).
-        final_norm: a norm after the last layer (as ViT; the reference has none).
-        classifier_dropout: dropout before the classification head.
-        position_embedding_type: `learned` (ViT; default), `none`, or `rope` (1-D RoPE over the row-major sequence,
-            CLS at position 0).
-
     Small models: the shared `initializer_range` default (0.02) suits wide models; a tiny one (say 64 wide) learns
     several times faster from about `hidden_size ** -0.5` (what `scripts/train_image_classification.py` uses). The
     CLS token and position embeddings start at unit scale when `patch_norm` is on (the reference's init).
+    """
+)
+@strict
+class DATVisionConfig(DualAttentionConfig):
+    __doc__ = DUAL_ATTENTION_ARGS + r"""
+    image_size (`int`):
+        Input resolution, an int or `[height, width]`. Other sizes need `interpolate_pos_encoding=True`.
+    patch_size (`int`):
+        Patch size, an int or `[height, width]`; it must divide `image_size`.
+    num_channels (`int`):
+        Image channels (1 for grayscale, 3 for RGB).
+    pooling (`str`):
+        `cls` (the CLS token's final state) or `mean` (the mean over every token, CLS included, as the reference).
+    relative_symbols_2d (`bool`):
+        With `symbol_retrieval="position_relative"`, the symbol of sender j for receiver i embeds the clipped 2-D
+        offset `(dy, dx)` between their patches on the grid (each clipped to `max_relative_position`) instead of the
+        1-D offset `j - i` of the row-major sequence. The table has `(2K + 1)^2 + 1` rows: row
+        `(dy + K) * (2K + 1) + dx + K` for two patches, and a last row for every pair involving the CLS token (which
+        has no place on the grid).
+    patch_norm (`bool`):
+        LayerNorm before and after the patch projection (the reference's patch embedding).
+    final_norm (`bool`):
+        A norm after the last layer (as ViT; the reference has none).
+    classifier_dropout (`float`):
+        Dropout before the classification head.
+    position_embedding_type (`str`):
+        `learned` (ViT), `none`, or `rope` (1-D RoPE over the row-major sequence, CLS at position 0).
 
     Example:
+
     ```python
     >>> from dat_hf import DATVisionConfig, DATForImageClassification
     >>> config = DATVisionConfig(image_size=28, patch_size=4, num_channels=1, hidden_size=64, num_hidden_layers=2,

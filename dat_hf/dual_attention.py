@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Dual attention: sensory (self-attention) heads beside relational heads, one implementation for every DAT model.
 
     DualAttention(x, s) = [SensoryAttention(x) | RelationalAttention(x, s)] W_o      (heads concatenated)
@@ -124,7 +128,8 @@ class SensoryAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         d, hd = config.hidden_size, self.head_dim
-        # with share_attention_params, queries and keys come from the relational heads' attention projections
+        # CODEPATH: own projections: every released checkpoint; shared (`share_attention_params`): none, the reference's
+        # `share_attn_params` option. With it, queries and keys come from the relational heads' attention projections.
         if not config.share_attention_params:
             self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
             self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
@@ -132,7 +137,8 @@ class SensoryAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    def forward(self, query, key, value, mask: AttentionMask, output_attentions=False, **kwargs):
+    def forward(self, query, key, value, mask: AttentionMask, **kwargs):
+        output_attentions = kwargs.get("output_attentions", False)
         attention_interface: Callable = eager_attention_forward
         if not output_attentions:  # fused kernels do not return weights
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
@@ -190,12 +196,16 @@ class RelationalAttention(nn.Module):
         self.max_relative_position = config.max_relative_position
         self.symmetric_relations = config.symmetric_relations
         self.relation_activation = config.relation_activation
+        # CODEPATH: identity: the released LMs (configs/dat-343m.json), the reference's default `rel_activation`;
+        # other activations: no released checkpoint, the reference's `rel_activation` option.
         self.relation_act = ACT2FN[config.relation_activation] if config.relation_activation != "identity" else None
         self.relational_attention_backend = None
         d, hd, rd = config.hidden_size, self.head_dim, self.num_relations * self.relation_dim
         self.q_attn_proj = nn.Linear(d, self.num_heads * hd, bias=False)
         self.k_attn_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
         self.q_rel_proj = nn.Linear(d, rd, bias=False)
+        # CODEPATH: asymmetric relations: the released LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M) and the paper's
+        # math models; symmetric (`r(x, y) = r(y, x)`): the paper's ViDAT and relational-games models (no weights).
         if not config.symmetric_relations:
             self.k_rel_proj = nn.Linear(d, rd, bias=False)
         self.symbol_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)  # W_s
@@ -208,10 +218,11 @@ class RelationalAttention(nn.Module):
         return self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
 
     def forward(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
-                output_attentions=False, relative_position_index=None, query_offset=None, **kwargs):
+                relative_position_index=None, query_offset=None, **kwargs):
         """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid);
         `query_offset`: the cache index of the first receiver (default `kv - q`)."""
+        output_attentions = kwargs.get("output_attentions", False)
         backend = select_relational_attention(self, query, mask, output_attentions)
         if mask.receiver_blocks is not None and backend != "flex_attention" and not (
                 output_attentions or self.relative_symbols):
@@ -254,14 +265,18 @@ class DualAttention(nn.Module):
 
     hidden_states `[b, n, d]`, symbols `[b|1, n, d]` (or the position-relative table) -> output `[b, n, d]`, weights
     `[b, h_s + h_r, n, kv]` (sensory heads first) and relations `[b, R, n, kv]` (both only with
-    `output_attentions`).
+    `output_attentions`, which comes in the kwargs as in Transformers and goes on to both head types).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        # CODEPATH: sensory heads: every released checkpoint; none: no released checkpoint (an all-relational stack,
+        # which the reference allows with `n_heads_sa=0`).
         self.sensory = SensoryAttention(config, layer_idx, is_causal) if config.num_sensory_heads > 0 else None
+        # CODEPATH: relational heads: the released DAT LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M); none: the
+        # Transformer baselines (awni00/T-sa24-757M).
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
         self.head_dim = config.head_dim
@@ -292,7 +307,7 @@ class DualAttention(nn.Module):
             self._input_widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
-                past_key_values=None, output_attentions=False, relative_position_index=None, **kwargs):
+                past_key_values=None, relative_position_index=None, **kwargs):
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
         linears = [getattr(relational if owner == "relational" else sensory, name)
@@ -332,7 +347,7 @@ class DualAttention(nn.Module):
 
         outputs, weights, relations = [], [], None
         if sensory is not None:
-            out_s, weights_s = sensory(q_s, k_s, values[0], sensory_mask, output_attentions=output_attentions, **kwargs)
+            out_s, weights_s = sensory(q_s, k_s, values[0], sensory_mask, **kwargs)
             outputs.append(out_s)
             weights.append(weights_s)
         if relational is not None:
@@ -340,12 +355,11 @@ class DualAttention(nn.Module):
                 symbol_values = values[-2]
             out_r, weights_r, relations = relational(
                 q_r, k_r, symbol_values, relation_queries, values[-1], relational_mask,
-                output_attentions=output_attentions, relative_position_index=relative_position_index,
-                query_offset=query_offset, **kwargs)
+                relative_position_index=relative_position_index, query_offset=query_offset, **kwargs)
             outputs.append(out_r)
             weights.append(weights_r)
         out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return out, (torch.cat(weights, dim=1) if output_attentions else None), relations
+        return out, (torch.cat(weights, dim=1) if kwargs.get("output_attentions", False) else None), relations
 
     def _value_views(self, parts):
         """Flat values `[b, N, width]` (cached as one `[b, 1, N, sum of widths]` slot) -> sensory values and symbol

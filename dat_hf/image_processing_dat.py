@@ -17,8 +17,8 @@ from transformers.image_utils import (
     PILImageResampling,
     infer_channel_dimension_format,
 )
-from transformers.processing_utils import ImagesKwargs
-from transformers.utils import is_vision_available
+from transformers.processing_utils import ImagesKwargs, Unpack
+from transformers.utils import auto_docstring, is_vision_available
 
 if is_vision_available():
     import PIL.Image
@@ -66,23 +66,16 @@ def to_grayscale(image, input_data_format=None) -> np.ndarray:
     return luma.astype(image.dtype)
 
 
-class DATImageProcessor(PilBackend):
-    r"""Image processor for [`DATForImageClassification`] (Pillow/NumPy backend: works without torchvision).
+@auto_docstring(
+    custom_intro=r"""
+    Image processor for [`DATForImageClassification`] (Pillow/NumPy backend: works without torchvision): RGB or
+    grayscale conversion, resize to `size` (bilinear by default), rescale (1/255) and per-channel normalization (one
+    value per output channel) -> `pixel_values`. `DATImageProcessor.from_model_config(model.config)` matches a model's
+    image size and channels.
 
-    Args:
-        do_convert_rgb: convert images to 3-channel RGB (default).
-        do_convert_grayscale: convert images to one luma channel instead (for `num_channels=1` models).
-        do_resize / size / resample: resize to `{"height": h, "width": w}` (bilinear by default).
-        do_rescale / rescale_factor: scale pixel values (1/255 maps 0-255 to 0-1).
-        do_normalize / image_mean / image_std: per-channel normalization (one value per output channel).
-
-    Example:
-    ```python
-    >>> from dat_hf import DATImageProcessor
-    >>> processor = DATImageProcessor.from_model_config(model.config)  # size, channels from the model's config
-    >>> inputs = processor(images, return_tensors="pt")
-    ```
     """
+)
+class DATImageProcessor(PilBackend):
 
     valid_kwargs = DATImageProcessorKwargs
     model_input_names = ["pixel_values"]
@@ -95,6 +88,9 @@ class DATImageProcessor(PilBackend):
     do_normalize = True
     do_convert_rgb = True
     do_convert_grayscale = False
+
+    def __init__(self, **kwargs: Unpack[DATImageProcessorKwargs]):
+        super().__init__(**kwargs)
 
     @classmethod
     def from_model_config(cls, config, image_mean=None, image_std=None, **kwargs):

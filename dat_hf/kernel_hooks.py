@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Where compiled kernels plug into the model files, for the few functions that are not attention.
 
 `@replaceable("name")` marks a PyTorch function of the model files (the reference: RoPE, the MLP's activation and

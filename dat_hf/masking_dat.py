@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Relational inductive biases as attention masks (one small mask library for every DAT model).
 
 Each bias is an attention graph (receiver i may attend to sender j), as in "On the relational inductive biases of
@@ -83,6 +87,8 @@ def _sparse_function(config, device, positions=None):
     """The fixed `sparse` graph over token positions (real tokens only: padding never shifts it)."""
     block, n_global = config.sparse_block_size, config.sparse_global_tokens
     edges = None
+    # CODEPATH: no released checkpoint; dat_hf's `sparse` relational bias given as an explicit edge list (else local
+    # blocks and global tokens only).
     if config.sparse_edges:
         size = max(max(e) for e in config.sparse_edges) + 1
         edges = torch.zeros(size, size, dtype=torch.bool, device=device)

@@ -30,7 +30,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -51,14 +51,24 @@ from .masking_dat import build_masks, prebuilt_masks
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
+# What DAT outputs add to Transformers' outputs, in the format `auto_docstring` reads
+DAT_OUTPUT_ARGS = r"""
+attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Attention weights of every head, sensory heads first: one tensor of shape `(batch_size, num_sensory_heads +
+    num_relational_heads, query_length, key_length)` per layer.
+relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    The relations `r(x_i, x_j)` of the relational heads: one tensor of shape `(batch_size, num_relations,
+    query_length, key_length)` per layer.
+"""
+
+
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATModelOutputWithPast(BaseModelOutputWithPast):
-    """`attentions`: every head's weights `[b, h_s + h_r, q, kv]` (sensory heads first), `relations`: the relation
-    tensors `[b, R, q, kv]`, one per layer (with `output_attentions=True`)."""
-
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATCausalLMOutputWithPast(CausalLMOutputWithPast):
     relations: tuple[torch.FloatTensor, ...] | None = None
@@ -77,6 +87,9 @@ class DATRMSNorm(nn.Module):
 
 
 def make_norm(config) -> nn.Module:
+    # CODEPATH: rmsnorm: the released LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M, configs/dat-343m.json) and their
+    # Transformer baselines (configs/transformer-*.json); layernorm: the reference package's default, taken by the
+    # paper's ViDAT (ImageNet, CIFAR) and math seq2seq models (no released weights).
     if config.norm_type == "rmsnorm":
         return DATRMSNorm(config.hidden_size, eps=config.norm_eps)
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
@@ -140,8 +153,12 @@ class DATDecoderLayer(GradientCheckpointingLayer):
 
 def init_positions(module, config):
     """Give `module` what `add_positions` uses: learned position embeddings or a RoPE module (or nothing)."""
+    # CODEPATH: learned: the paper's math seq2seq models (their sinusoidal tables, stored as learned embeddings by
+    # conversion) and the reference LM's default `pos_enc_type='pos_emb'`; no released checkpoint.
     if config.position_embedding_type == "learned":
         module.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+    # CODEPATH: rope: the released LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M, awni00/T-sa24-757M). Neither
+    # (`none`): no released checkpoint; dat_hf's permutation-equivariant encoders (node classification).
     elif config.position_embedding_type == "rope":
         module.rotary_emb = DATRotaryEmbedding(config)
 
@@ -207,17 +224,20 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
 
 
 def attentions_imply_relations(func):
-    """`output_attentions=True` also returns the relations."""
+    """`output_attentions` (the config's unless given) travels down in the kwargs to the attention modules, which
+    then return every head's weights (with the eager functions); `output_attentions=True` also returns the relations."""
 
     @wraps(func)
     def wrapper(self, *args, **kwargs):
-        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+        kwargs.setdefault("output_attentions", getattr(self.config, "output_attentions", False))
+        if kwargs["output_attentions"]:
             kwargs.setdefault("output_relations", True)
         return func(self, *args, **kwargs)
 
     return wrapper
 
 
+@auto_docstring
 class DATPreTrainedModel(PreTrainedModel):
     config: DATConfig
     base_model_prefix = "model"
@@ -295,11 +315,8 @@ class DATPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, module.compute_inv_freq())
 
 
+@auto_docstring(custom_intro="The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`.")
 class DATModel(DATPreTrainedModel):
-    """The DAT decoder stack. input_ids `[b, n]` -> last_hidden_state `[b, n, d]`.
-
-    Inputs are checked first (`input_validation`, the same rules for every family): a bad input raises a ValueError
-    naming the argument; an empty batch or sequence is refused (no empty outputs)."""
 
     is_causal = True
 
@@ -308,6 +325,8 @@ class DATModel(DATPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
+        # CODEPATH: relational heads, hence symbols: awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M; none: the Transformer
+        # baseline awni00/T-sa24-757M.
         self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList(
             [DATDecoderLayer(config, i, is_causal=self.is_causal) for i in range(config.num_hidden_layers)]
@@ -325,6 +344,7 @@ class DATModel(DATPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -337,8 +357,13 @@ class DATModel(DATPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATModelOutputWithPast:
         r"""
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
-            Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
+            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
+
+        Returns:
+            [`DATModelOutputWithPast`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size,
+            sequence_length, hidden_size)`, the cache, and on request the hidden states, the attention weights of every
+            head and the relations.
         """
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen,
@@ -346,7 +371,6 @@ class DATModel(DATPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
@@ -367,8 +391,7 @@ class DATModel(DATPreTrainedModel):
                                                 mask_positions, graph_adjacency, causal=self.is_causal)
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
-            position_embeddings=position_embeddings, past_key_values=past_key_values,
-            output_attentions=output_attentions, **kwargs,
+            position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
@@ -406,8 +429,10 @@ class DATGenerationMixin(GenerationMixin):
         return {bias: mask.mask for bias, mask in masks.items()}
 
 
+@auto_docstring(
+    custom_intro="DAT language model head. input_ids `[b, n]` -> logits `[b, n, vocab]` (loss with `labels`)."
+)
 class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
-    """DAT language model head. input_ids `[b, n]` -> logits `[b, n, vocab]` (loss with `labels`)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -419,6 +444,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -432,6 +458,18 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         graph_adjacency: torch.BoolTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATCausalLMOutputWithPast:
+        r"""
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
+            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Targets of the next-token loss: usually `input_ids` (the loss shifts them, so that position t predicts
+            token t + 1); -100 is ignored.
+
+        Returns:
+            [`DATCausalLMOutputWithPast`] (a tuple with `return_dict=False`): `logits` `(batch_size, sequence_length,
+            vocab_size)` (the last `logits_to_keep` positions), `loss` with `labels`, the cache, and on request the
+            hidden states, the attention weights of every head and the relations.
+        """
         validate_lm_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
         outputs: DATModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -458,8 +496,10 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         )
 
 
+@auto_docstring(
+    custom_intro="Classifies a sequence from its last non-padding token. input_ids `[b, n]` -> logits `[b, labels]`."
+)
 class DATForSequenceClassification(DATPreTrainedModel):
-    """Classifies a sequence from its last non-padding token. input_ids `[b, n]` -> logits `[b, num_labels]`."""
 
     def __init__(self, config: DATConfig):
         super().__init__(config)
@@ -469,6 +509,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -480,6 +521,16 @@ class DATForSequenceClassification(DATPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SequenceClassifierOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Class indices in `[0, num_labels)`, or regression targets (`num_labels == 1`) or multi-hot targets, as
+            `config.problem_type` says.
+
+        Returns:
+            [`~modeling_outputs.SequenceClassifierOutputWithPast`] (a tuple with `return_dict=False`): `logits`
+            `(batch_size, num_labels)`, `loss` with `labels`, the cache, and on request the hidden states and the
+            attention weights of every head.
+        """
         validate_classification_labels(self.config, labels, input_ids, inputs_embeds)
         outputs = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
@@ -517,28 +568,36 @@ ENCODER_AUTO_CLASSES = {
 }
 
 
+@auto_docstring(
+    custom_intro=r"""
+    The bidirectional DAT stack: no causal order is imposed, so `full`, `sliding_window_bidirectional`, `sparse` and
+    `graph` biases see both directions (`causal` and `sliding_window` stay ordered). input_ids `[b, n]` (or
+    inputs_embeds `[b, n, d]`) -> last_hidden_state `[b, n, d]`.
+    """
+)
 class DATEncoderModel(DATModel):
-    """The bidirectional DAT stack: no causal order is imposed, so `full`, `sliding_window_bidirectional`, `sparse`
-    and `graph` biases see both directions (`causal` and `sliding_window` stay ordered). input_ids `[b, n]` (or
-    inputs_embeds `[b, n, d]`) -> last_hidden_state `[b, n, d]`."""
 
     config: DATEncoderConfig
     is_causal = False
     auto_classes = ENCODER_AUTO_CLASSES
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATTokenClassifierOutput(TokenClassifierOutput):
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
-class DATForTokenClassification(DATPreTrainedModel):
-    """Classifies every token (node) from a bidirectional DAT stack: the GAT use case with `relational_bias='graph'`.
+@auto_docstring(
+    custom_intro=r"""
+    Classifies every token (node) from a bidirectional DAT stack: the GAT use case with `relational_bias='graph'`.
 
     input_ids `[b, n]`, inputs_embeds `[b, n, d]` or node_features `[b, n, num_node_features]` (with
     `config.num_node_features`), plus graph_adjacency `[b, n, n]` for `graph` layers -> logits `[b, n, num_labels]`
     (cross-entropy loss with `labels` `[b, n]`, -100 = ignored).
     """
+)
+class DATForTokenClassification(DATPreTrainedModel):
 
     config: DATEncoderConfig
     auto_classes = ENCODER_AUTO_CLASSES
@@ -547,12 +606,15 @@ class DATForTokenClassification(DATPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = DATEncoderModel(config)
+        # CODEPATH: no released checkpoint; dat_hf's node classification (node features instead of tokens, e.g.
+        # scripts/node_classification_karate.py). Token inputs otherwise.
         self.node_proj = nn.Linear(config.num_node_features, config.hidden_size) if config.num_node_features else None
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -565,10 +627,17 @@ class DATForTokenClassification(DATPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATTokenClassifierOutput:
         r"""
-        node_features (`torch.FloatTensor` of shape `[batch, n, config.num_node_features]`, *optional*):
+        node_features (`torch.FloatTensor` of shape `(batch_size, sequence_length, num_node_features)`, *optional*):
             Node features, projected to `hidden_size` (instead of `input_ids` / `inputs_embeds`).
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, n, n]`, *optional*):
-            Per-instance attention graph for layers whose relational bias is `graph` (True = i may attend to j).
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            The class index of every token (node) in `[0, num_labels)`; -100 is ignored.
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
+            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
+
+        Returns:
+            [`DATTokenClassifierOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, sequence_length,
+            num_labels)`, `loss` with `labels`, and on request the hidden states, the attention weights of every head
+            and the relations.
         """
         validate_token_classification(self.config, input_ids, inputs_embeds, node_features, labels)
         if node_features is not None:

@@ -33,7 +33,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -50,6 +50,7 @@ from .input_validation import (
 )
 from .masking_dat import build_cross_attention_mask, build_masks
 from .modeling_dat import (
+    DAT_OUTPUT_ARGS,
     DATMLP,
     DATDecoderLayer,
     DATGenerationMixin,
@@ -134,6 +135,8 @@ def cross_attention_config(config: DATSeq2SeqConfig) -> StackConfig:
 def decoder_symbol_config(config: DATSeq2SeqConfig) -> StackConfig | DATSeq2SeqConfig:
     """The decoder's retrievers also give `dual` cross-attention its source symbols: positional symbols then need
     room for source positions."""
+    # CODEPATH: no released checkpoint has `dual` cross-attention (dat_hf's relational cross heads); the paper's math
+    # models cross-attend with 8 sensory heads.
     if config.cross_relational_heads > 0 and config.max_symbol_positions is None:
         return StackConfig(config, max_symbol_positions=max(config.max_position_embeddings, config.encoder_max_positions))
     return config
@@ -160,26 +163,51 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int | None, decoder_s
     return shifted
 
 
+# Cross-attention weights of DAT decoders (every cross head), in the format `auto_docstring` reads
+CROSS_ATTENTION_ARGS = r"""
+cross_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Cross-attention weights of every cross head (sensory heads, then the relational heads of `dual`
+    cross-attention): one tensor of shape `(batch_size, num_cross_heads, target_length, source_length)` per decoder
+    layer.
+"""
+# The encoder's and the decoder's relations (and every head's weights) in the seq2seq outputs
+SEQ2SEQ_OUTPUT_ARGS = CROSS_ATTENTION_ARGS + r"""
+encoder_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Attention weights of every encoder head, sensory heads first: one tensor of shape `(batch_size,
+    num_sensory_heads + num_relational_heads, source_length, source_length)` per encoder layer.
+decoder_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    Self-attention weights of every decoder head, sensory heads first: one tensor of shape `(batch_size,
+    num_sensory_heads + num_relational_heads, target_length, key_length)` per decoder layer.
+encoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    The relations of the encoder's relational heads: one tensor of shape `(batch_size, num_relations, source_length,
+    source_length)` per encoder layer.
+decoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+    The relations of the decoder self-attention's relational heads: one tensor of shape `(batch_size, num_relations,
+    target_length, key_length)` per decoder layer.
+"""
+
+
+@auto_docstring(custom_args=SEQ2SEQ_OUTPUT_ARGS)
 @dataclass
 class DATSeq2SeqModelOutput(Seq2SeqModelOutput):
-    """Adds the relations `[b, R, q, kv]` of the encoder's and the decoder self-attention's relational heads (the
-    `*attentions` cover every head, sensory heads first)."""
-
     encoder_relations: tuple[torch.FloatTensor, ...] | None = None
     decoder_relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=SEQ2SEQ_OUTPUT_ARGS)
 @dataclass
 class DATSeq2SeqLMOutput(Seq2SeqLMOutput):
     encoder_relations: tuple[torch.FloatTensor, ...] | None = None
     decoder_relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATEncoderOutput(BaseModelOutput):
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS + CROSS_ATTENTION_ARGS)
 @dataclass
 class DATDecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
     relations: tuple[torch.FloatTensor, ...] | None = None
@@ -256,8 +284,7 @@ class DATCrossAttention(nn.Module):
             widths += [rel.num_kv_heads * self.head_dim, rel.num_relations * rel.relation_dim]
         return widths
 
-    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, past_key_values=None,
-                output_attentions=False, **kwargs):
+    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, past_key_values=None, **kwargs):
         q_s, q_r, q_rel = self._project_queries(hidden_states)
         cache = past_key_values.cross_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else None
         if cache is not None and past_key_values.is_updated.get(self.layer_idx):
@@ -277,20 +304,18 @@ class DATCrossAttention(nn.Module):
         outputs, weights, relations = [], [], None
         if self.sensory is not None:
             v_s = value_parts[0].view(b, m, -1, self.head_dim).transpose(1, 2)
-            out_s, weights_s = self.sensory(q_s, key_parts[0], v_s, mask, output_attentions=output_attentions,
-                                            **kwargs)
+            out_s, weights_s = self.sensory(q_s, key_parts[0], v_s, mask, **kwargs)
             outputs.append(out_s)
             weights.append(weights_s)
         if self.relational is not None:
             rel = self.relational
             symbol_values = value_parts[-2].view(b, m, -1, self.head_dim).transpose(1, 2)
             relation_keys = value_parts[-1].view(b, m, rel.num_relations, rel.relation_dim)
-            out_r, weights_r, relations = rel(q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask,
-                                              output_attentions=output_attentions, **kwargs)
+            out_r, weights_r, relations = rel(q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask, **kwargs)
             outputs.append(out_r)
             weights.append(weights_r)
         out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return out, (torch.cat(weights, dim=1) if output_attentions else None), relations
+        return out, (torch.cat(weights, dim=1) if kwargs.get("output_attentions", False) else None), relations
 
 
 class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
@@ -334,6 +359,7 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+@auto_docstring
 class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
     config: DATSeq2SeqConfig
     base_model_prefix = "model"
@@ -383,8 +409,12 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.source_vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, stack)
         self.dropout = nn.Dropout(config.embedding_dropout)
+        # CODEPATH: relational heads: the paper's math DAT models (4 sensory + 4 relational encoder heads); none: their
+        # Transformer baselines (8 self-attention heads). No released weights.
         self.symbol_retrievers = SymbolRetrievers(stack) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList([DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)])
+        # CODEPATH: no final norm: the reference `Seq2SeqDualAttnTransformer` (the paper's math models, converted with
+        # `final_norm=False`); a final norm: dat_hf's default for models trained from scratch. No released weights.
         self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
@@ -398,7 +428,20 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, position_ids=None, **kwargs):
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> DATEncoderOutput:
+        r"""
+        Returns:
+            [`DATEncoderOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, source_length,
+            hidden_size)`, and on request the hidden states, the attention weights of every head and the relations.
+        """
         stack = self.stack_config
         vocab_field = "encoder_vocab_size" if self.config.encoder_vocab_size else "vocab_size"
         validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, vocab_size=stack.source_vocab_size,
@@ -407,7 +450,6 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
         validate_source_length(seq_len, stack.max_position_embeddings, "encoder_max_position_embeddings")
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         if position_ids is None:
@@ -421,7 +463,7 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         masks = build_masks(biases, self.config, inputs_embeds, attention_mask, causal=False)
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, [(b, b) for b in biases], masks,
-            position_embeddings=position_embeddings, output_attentions=output_attentions, **kwargs,
+            position_embeddings=position_embeddings, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         return DATEncoderOutput(last_hidden_state=hidden_states)
@@ -442,8 +484,11 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
+        # CODEPATH: symbols in the decoder: the paper's math DAT with 4 + 4 decoder heads, and `dual` cross-attention
+        # (dat_hf only); none: its variant with a standard decoder (8 sensory heads). No released weights.
         self.symbol_retrievers = SymbolRetrievers(decoder_symbol_config(config)) if config.decoder_uses_symbols else None
         self.layers = nn.ModuleList([DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        # CODEPATH: as in the encoder: none in the reference's math models, one in dat_hf's default.
         self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
@@ -457,8 +502,25 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                position_ids=None, past_key_values=None, inputs_embeds=None, use_cache=None, **kwargs):
+    @auto_docstring
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.FloatTensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> DATDecoderOutput:
+        r"""
+        Returns:
+            [`DATDecoderOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, target_length,
+            hidden_size)`, the cache, and on request the hidden states, the (cross-)attention weights of every head
+            and the relations.
+        """
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
         past_seen = past_key_values.self_attention_cache.get_seq_length() if past_key_values is not None else 0
@@ -468,7 +530,6 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
         validate_encoder_states(encoder_hidden_states, encoder_attention_mask, batch_size, self.config.hidden_size)
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
@@ -498,9 +559,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             source_positions = source_position_ids(encoder_attention_mask, batch_size, encoder_hidden_states.shape[1],
                                                    encoder_hidden_states.device)
         if shared_symbols:
+            # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
+            # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
             symbols = retrievers(0, hidden_states, position_ids) if self.config.num_relational_heads > 0 else None
         for i, layer in enumerate(self.layers):
             layer_symbols = symbols
+            # CODEPATH: as above (decoder relational heads: the paper's 4 + 4 math DAT).
             if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:
                 layer_symbols = retrievers(i, hidden_states, position_ids)
             layer_source_symbols = None
@@ -518,18 +582,16 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 relational_mask=masks[relational_bias],
                 cross_mask=cross_mask,
                 past_key_values=past_key_values,
-                output_attentions=output_attentions,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
         return DATDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
+@auto_docstring(
+    custom_intro="Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`."
+)
 class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
-    """Encoder + decoder. (input_ids `[b, m]`, decoder_input_ids `[b, n]`) -> last_hidden_state `[b, n, d]`.
-
-    The encoder and the decoder check their inputs first (`input_validation`): a bad input raises a ValueError naming
-    the argument; an empty batch, source or decoder input is refused (no empty outputs)."""
 
     _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight"}
 
@@ -540,6 +602,8 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         self.post_init()
 
     def _tied_mapping(self):
+        # CODEPATH: separate source and target embeddings: the paper's math models (the reference has two embedders;
+        # `share_embeddings=False` at conversion); shared: dat_hf's default (one vocabulary). No released weights.
         return dict(self._tied_weights_keys) if self.config.share_embeddings else {}
 
     def get_input_embeddings(self):
@@ -547,6 +611,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.encoder.embed_tokens = value
+        # CODEPATH: shared embeddings (dat_hf's default) vs the math models' separate ones, as in `_tied_mapping`.
         if self.config.share_embeddings:
             self.decoder.embed_tokens = value
 
@@ -557,6 +622,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         return self.decoder
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -572,11 +638,13 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATSeq2SeqModelOutput:
         r"""
-        input_ids / inputs_embeds: the source `[b, m]`; attention_mask `[b, m]`: 1 = token, 0 = padding (honoured in
-            the encoder and in cross-attention).
-        decoder_input_ids / decoder_inputs_embeds: the target prefix `[b, n]` (starting with
-            `decoder_start_token_id`); `DATForSeq2SeqLM` builds it from `labels` when absent.
-        encoder_outputs: a precomputed encoder output (skips the encoder).
+        decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Positions of the target tokens (default: counted from the cache and the decoder's padding).
+
+        Returns:
+            [`DATSeq2SeqModelOutput`] (a tuple with `return_dict=False`): the decoder's `last_hidden_state`
+            `(batch_size, target_length, hidden_size)`, the encoder's, the cache, and on request the hidden states,
+            the (cross-)attention weights of every head and the relations of both stacks.
         """
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
@@ -623,10 +691,14 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         )
 
 
-class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
-    """DAT encoder-decoder with a language-model head. (input_ids `[b, m]`, decoder_input_ids or labels `[b, n]`) ->
+@auto_docstring(
+    custom_intro=r"""
+    DAT encoder-decoder with a language-model head. (input_ids `[b, m]`, decoder_input_ids or labels `[b, n]`) ->
     logits `[b, n, vocab]`; loss = plain token cross-entropy on `labels` (-100 ignored), which are *not* shifted:
-    `logits[:, t]` predicts `labels[:, t]` (decoder inputs are the labels shifted right)."""
+    `logits[:, t]` predicts `labels[:, t]` (decoder inputs are the labels shifted right).
+    """
+)
+class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
 
@@ -639,7 +711,8 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
     def _tied_mapping(self):
         if not self.config.tie_word_embeddings:
             return {}
-        # with shared embeddings, tie to the source of the encoder/decoder tie (one parameter for all three)
+        # CODEPATH: tied LM heads are dat_hf's (the math models convert untied: the reference's tying is a no-op). With
+        # shared embeddings (dat_hf's default), tie to the source of the encoder/decoder tie (one parameter for all).
         source = "model.encoder.embed_tokens.weight" if self.config.share_embeddings else "model.decoder.embed_tokens.weight"
         return {"lm_head.weight": source}
 
@@ -667,6 +740,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -683,6 +757,19 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATSeq2SeqLMOutput:
+        r"""
+        decoder_position_ids (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Positions of the target tokens (default: counted from the cache and the decoder's padding).
+        labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*):
+            Target token ids (-100 ignored), *not* shifted: `logits[:, t]` predicts `labels[:, t]`. Without
+            `decoder_input_ids`, the decoder inputs are the labels shifted right behind `decoder_start_token_id`.
+
+        Returns:
+            [`DATSeq2SeqLMOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, target_length,
+            vocab_size)` (the last `logits_to_keep` positions), `loss` with `labels`, the encoder's
+            `last_hidden_state`, the cache, and on request the hidden states, the (cross-)attention weights of every
+            head and the relations of both stacks.
+        """
         validate_seq2seq_inputs(input_ids, inputs_embeds, decoder_input_ids, decoder_inputs_embeds, labels,
                                 self.config.vocab_size)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:

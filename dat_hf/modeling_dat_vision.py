@@ -24,7 +24,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -32,6 +32,7 @@ from .configuration_dat_vision import DATVisionConfig
 from .dual_attention import DATRotaryEmbedding
 from .input_validation import classification_problem, validate_classification_labels, validate_pixel_values
 from .modeling_dat import (
+    DAT_OUTPUT_ARGS,
     DATDecoderLayer,
     DATPreTrainedModel,
     attentions_imply_relations,
@@ -42,14 +43,19 @@ from .modeling_dat import (
 from .symbol_retrieval import SymbolRetrievers
 
 
+@auto_docstring(
+    custom_args=DAT_OUTPUT_ARGS
+    + r"""
+pooler_output (`torch.FloatTensor` of shape `(batch_size, hidden_size)`):
+    The CLS token's final state, or the mean over every token (`config.pooling`).
+"""
+)
 @dataclass
 class DATVisionModelOutput(BaseModelOutputWithPooling):
-    """`attentions`: every head's weights `[b, h_s + h_r, n, n]` (sensory heads first), `relations`: the relation
-    tensors `[b, R, n, n]`, one per layer (with `output_attentions=True`)."""
-
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
+@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
 @dataclass
 class DATImageClassifierOutput(ImageClassifierOutput):
     relations: tuple[torch.FloatTensor, ...] | None = None
@@ -80,8 +86,11 @@ class DATVisionPatchEmbeddings(nn.Module):
         self.patch_size = config.patch_hw
         self.num_channels = config.num_channels
         patch_dim = self.patch_size[0] * self.patch_size[1] * config.num_channels
+        # CODEPATH: patch norms: the reference `VisionDualAttnTransformer`, i.e. the paper's ViDAT (ImageNet, CIFAR; no
+        # released weights); a plain linear (ViT's): no released checkpoint, a dat_hf option.
         self.norm_in = nn.LayerNorm(patch_dim, eps=config.norm_eps) if config.patch_norm else nn.Identity()
         self.projection = nn.Linear(patch_dim, config.hidden_size)
+        # CODEPATH: as `norm_in`.
         self.norm_out = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.patch_norm else nn.Identity()
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -101,6 +110,8 @@ class DATVisionEmbeddings(nn.Module):
         self.patch_embeddings = DATVisionPatchEmbeddings(config)
         self.cls_token = nn.Parameter(torch.empty(1, 1, config.hidden_size))
         self.position_embeddings = None
+        # CODEPATH: learned: the paper's ViDAT (ImageNet, CIFAR, relational games; the reference's `pos_embedding`);
+        # `rope` / `none`: no released checkpoint, dat_hf options.
         if config.position_embedding_type == "learned":
             self.position_embeddings = nn.Parameter(torch.empty(1, config.num_patches + 1, config.hidden_size))
         self.dropout = nn.Dropout(config.embedding_dropout)
@@ -130,6 +141,7 @@ class DATVisionEmbeddings(nn.Module):
         return self.dropout(embeddings), (rows, cols)
 
 
+@auto_docstring
 class DATVisionPreTrainedModel(DATPreTrainedModel):
     config: DATVisionConfig
     base_model_prefix = "model"
@@ -149,24 +161,33 @@ class DATVisionPreTrainedModel(DATPreTrainedModel):
         if isinstance(module, DATVisionEmbeddings):
             # with `patch_norm` the patch embeddings leave a LayerNorm at unit scale: the CLS token and the positions
             # start at the same scale (standard normal, as the reference), else they would be invisible at first
+            # CODEPATH: patch norms: the paper's ViDAT (the reference); without: a dat_hf option (no checkpoint).
             std = 1.0 if self.config.patch_norm else self.config.initializer_range
             init.normal_(module.cls_token, mean=0.0, std=std)
             if module.position_embeddings is not None:
                 init.normal_(module.position_embeddings, mean=0.0, std=std)
 
 
+@auto_docstring(
+    custom_intro=r"""
+    The ViDAT encoder. pixel_values `[b, c, H, W]` -> last_hidden_state `[b, 1 + N, d]` (CLS first) and pooler_output
+    `[b, d]` (CLS state or mean over tokens, `config.pooling`).
+    """
+)
 class DATVisionModel(DATVisionPreTrainedModel):
-    """The ViDAT encoder. pixel_values `[b, c, H, W]` -> last_hidden_state `[b, 1 + N, d]` (CLS first) and
-    pooler_output `[b, d]` (CLS state or mean over tokens, `config.pooling`). Inputs are checked first
-    (`input_validation`): bad `pixel_values` raise a ValueError naming them; an empty batch is refused."""
 
     def __init__(self, config: DATVisionConfig):
         super().__init__(config)
         self.embeddings = DATVisionEmbeddings(config)
+        # CODEPATH: rope: no released checkpoint, a dat_hf option; the paper's ViDAT uses learned positions.
         if config.position_embedding_type == "rope":
             self.rotary_emb = DATRotaryEmbedding(config)
+        # CODEPATH: relational heads: the paper's ViDAT (ImageNet: 10 sensory + 6 relational heads; CIFAR: 6 + 6);
+        # none: its ViT baselines (16 / 12 heads). No released weights.
         self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
         self.layers = nn.ModuleList([DATDecoderLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers)])
+        # CODEPATH: no final norm: the reference's vision models (converted with `final_norm=False`); a final norm:
+        # dat_hf's default (as ViT). No released weights.
         self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.gradient_checkpointing = False
         self.post_init()
@@ -177,6 +198,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
     @attentions_imply_relations
     @merge_with_config_defaults
     @capture_outputs
+    @auto_docstring
     def forward(
         self,
         pixel_values: torch.FloatTensor | None = None,
@@ -188,43 +210,54 @@ class DATVisionModel(DATVisionPreTrainedModel):
         interpolate_pos_encoding (`bool`, *optional*):
             Interpolate the learned position embeddings to the input's patch grid (images of another size than
             `config.image_size`).
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
-            Per-image attention graph (CLS token first) for layers whose relational bias is `graph`.
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, 1 + num_patches, 1 + num_patches)`, *optional*):
+            Per-image attention graph (CLS token first) of the layers whose relational bias is `graph`.
+
+        Returns:
+            [`DATVisionModelOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, 1 +
+            num_patches, hidden_size)`, `pooler_output` `(batch_size, hidden_size)`, and on request the hidden states,
+            the attention weights of every head and the relations.
         """
         validate_pixel_values(self.config, pixel_values, bool(interpolate_pos_encoding), self.symbol_retrievers)
-        output_attentions = kwargs.pop("output_attentions", self.config.output_attentions)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         hidden_states, (rows, cols) = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
         batch_size, seq_len, _ = hidden_states.shape
         position_ids = torch.arange(seq_len, device=hidden_states.device)[None].expand(batch_size, -1)
         position_embeddings = None
+        # CODEPATH: rope: a dat_hf option (no released checkpoint); learned positions (the paper's ViDAT) are added by
+        # the embeddings.
         if self.config.position_embedding_type == "rope":
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
 
         layer_biases, masks = build_layer_masks(self.config, hidden_states, None, position_ids=position_ids,
                                                 graph_adjacency=graph_adjacency, causal=False)
         relative_position_index = None
+        # CODEPATH: 2-D grid offsets: no released checkpoint (dat_hf's `relative_symbols_2d`); the paper's ViDAT uses
+        # the reference's 1-D offsets over the row-major patch sequence.
         if self.config.relative_symbols_2d and self.symbol_retrievers is not None:
             relative_position_index = grid_relative_position_index(
                 rows, cols, self.config.max_relative_position, hidden_states.device)
 
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
-            position_embeddings=position_embeddings, output_attentions=output_attentions,
-            relative_position_index=relative_position_index, **kwargs,
+            position_embeddings=position_embeddings, relative_position_index=relative_position_index, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
+        # CODEPATH: cls: the paper's ImageNet ViDAT; mean: its CIFAR and relational-games models. No released weights.
         pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
         return DATVisionModelOutput(last_hidden_state=hidden_states, pooler_output=pooled)
 
 
-class DATForImageClassification(DATVisionPreTrainedModel):
-    """ViDAT with a linear head on the pooled state. pixel_values `[b, c, H, W]` -> logits `[b, num_labels]`.
+@auto_docstring(
+    custom_intro=r"""
+    ViDAT with a linear head on the pooled state. pixel_values `[b, c, H, W]` -> logits `[b, num_labels]`.
 
     With `labels`: cross-entropy (integer labels, `num_labels > 1`), BCE-with-logits (float multi-hot labels) or MSE
     (`num_labels == 1`), or as `config.problem_type` says, like every HF classifier.
     """
+)
+class DATForImageClassification(DATVisionPreTrainedModel):
 
     accepts_loss_kwargs = False
 
@@ -237,6 +270,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
+    @auto_docstring
     def forward(
         self,
         pixel_values: torch.FloatTensor | None = None,
@@ -246,12 +280,17 @@ class DATForImageClassification(DATVisionPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> DATImageClassifierOutput:
         r"""
-        labels (`torch.LongTensor` of shape `[batch]` or `torch.FloatTensor` `[batch, num_labels]`, *optional*):
+        labels (`torch.Tensor` of shape `(batch_size,)` or `(batch_size, num_labels)`, *optional*):
             Class indices in `[0, num_labels)` (single-label), multi-hot targets (multi-label) or regression targets.
         interpolate_pos_encoding (`bool`, *optional*):
             Interpolate the position embeddings to the input's patch grid.
-        graph_adjacency (`torch.BoolTensor` of shape `[batch, 1 + N, 1 + N]`, *optional*):
-            Per-image attention graph for layers whose relational bias is `graph`.
+        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, 1 + num_patches, 1 + num_patches)`, *optional*):
+            Per-image attention graph (CLS token first) of the layers whose relational bias is `graph`.
+
+        Returns:
+            [`DATImageClassifierOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, num_labels)`,
+            `loss` with `labels`, and on request the hidden states, the attention weights of every head and the
+            relations.
         """
         validate_classification_labels(self.config, labels, pixel_values)
         kwargs.pop("num_items_in_batch", None)

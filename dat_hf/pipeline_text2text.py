@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """A text-to-text generation pipeline for encoder-decoder models, task name `"dat-text2text"`.
 
 Transformers v5 removed `text2text-generation` (and `summarization`, `translation`). This module registers a

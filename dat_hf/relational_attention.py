@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Relational attention: the reference implementation, and the registry of named backends that compute the same.
 
 For receiver i and relational head h (Altabaa & Lafferty, 2024):

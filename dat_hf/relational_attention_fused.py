@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Relational attention as ordinary attention over fused values (the `sdpa` and `flex_attention` backends).
 
 With the identity relation activation the relations can be aggregated before they are formed:

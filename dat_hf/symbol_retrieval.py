@@ -1,3 +1,7 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
 """Symbol retrievers: where each sender's symbol `s_j` in relational attention comes from.
 
 - `SymbolicAttention`: symbols retrieved from a learned library by attention on the features (`s_j` depends only on
@@ -6,7 +10,9 @@
 - `PositionRelativeSymbols`: `s_{ij}` embeds the clipped offset j - i (keeps translation symmetry). It returns the
   `[2K + 1, d]` table; relational attention gathers it per offset, never per (i, j) pair.
 
-A new retriever is one small class with `forward(hidden_states, position_ids, symbol_library=None)`.
+A new retriever is one small class with `forward(hidden_states, symbol_library=None, **kwargs)`: like Transformers'
+attention modules, retrievers get the positions as a keyword argument (`position_ids` `[b|1, n]`), which those that
+use positions declare and the others ignore.
 """
 
 import torch
@@ -32,7 +38,7 @@ class SymbolicAttention(nn.Module):
                 torch.empty(config.num_symbols, config.hidden_size), requires_grad=config.trainable_symbols
             )
 
-    def forward(self, hidden_states, position_ids=None, symbol_library=None):
+    def forward(self, hidden_states, symbol_library=None, **kwargs):
         library = self.symbol_library if symbol_library is None else symbol_library
         if self.training and torch.is_grad_enabled():
             # cheap to recompute (attention over a small library), so backward recomputes it rather than keeping the
@@ -61,7 +67,7 @@ class PositionalSymbols(nn.Module):
         if own_library:
             self.symbol_library = nn.Parameter(torch.empty(self.max_positions, config.hidden_size))
 
-    def forward(self, hidden_states, position_ids=None, symbol_library=None):
+    def forward(self, hidden_states, symbol_library=None, position_ids=None, **kwargs):
         library = self.symbol_library if symbol_library is None else symbol_library
         return nn.functional.embedding(position_ids, library).to(hidden_states.dtype)
 
@@ -77,7 +83,7 @@ class PositionRelativeSymbols(nn.Module):
             rows = rows * rows + 1
         self.rel_pos_embeddings = nn.Parameter(torch.empty(rows, config.hidden_size))
 
-    def forward(self, hidden_states, position_ids=None, symbol_library=None):
+    def forward(self, hidden_states, symbol_library=None, **kwargs):
         return self.rel_pos_embeddings.to(hidden_states.dtype)
 
 
@@ -105,7 +111,7 @@ class SymbolRetrievers(nn.Module):
     def forward(self, layer_idx, hidden_states, position_ids):
         retriever = self.retrievers[0 if self.shared else layer_idx]
         library = self.retrievers[0].symbol_library if self.tied_library and layer_idx > 0 else None
-        return retriever(hidden_states, position_ids, symbol_library=library)
+        return retriever(hidden_states, symbol_library=library, position_ids=position_ids)
 
 
 __all__ = ["SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]

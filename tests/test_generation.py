@@ -361,6 +361,35 @@ def test_output_attentions(name):
 
 
 @torch.no_grad()
+def test_output_attentions_travel_in_kwargs():
+    """`output_attentions` (the call's, else the config's) reaches every attention module through the kwargs: every
+    head's weights and the relations come back whatever `attn_implementation` is, and `False` beats the config."""
+    ids = random_ids(2, 6)
+    seen, outputs = {}, {}
+    for implementation in ("eager", "sdpa"):
+        model = make_model()
+        model.set_attn_implementation(implementation)
+        calls = seen[implementation] = []
+        model.model.layers[0].dual_attn.sensory.register_forward_pre_hook(
+            lambda module, args, kwargs: calls.append(kwargs.get("output_attentions")), with_kwargs=True)
+        out = outputs[implementation] = model(ids, output_attentions=True)
+        assert len(out.attentions) == len(out.relations) == model.config.num_hidden_layers
+        assert out.attentions[0].shape == (2, model.config.num_attention_heads, 6, 6)
+        assert model(ids).attentions is None
+    # the config's default (Transformers allows `config.output_attentions=True` with eager attention only)
+    model.set_attn_implementation("eager")
+    model.config.output_attentions = True
+    from_config = model(ids)
+    assert model(ids, output_attentions=False).relations is None
+    assert seen == {"eager": [True, False], "sdpa": [True, False, True, False]}
+    for a, b, c in zip(outputs["eager"].attentions + outputs["eager"].relations,
+                       outputs["sdpa"].attentions + outputs["sdpa"].relations,
+                       from_config.attentions + from_config.relations):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(b, c, atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
 def test_output_attentions_with_left_padding():
     """Padded senders get zero weight; real receivers' rows still sum to one."""
     model = make_model()
