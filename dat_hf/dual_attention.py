@@ -23,7 +23,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
-from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, repeat_kv, select_relational_attention
+from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
+                                   relational_weights, repeat_kv, select_relational_attention, symbol_rows)
 
 
 def rotate_half(x):
@@ -86,8 +87,15 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     """Softmax attention with explicit weights. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv,
     d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` -> output `[b, q, h, d_v]`, weights
     `[b, h, q, kv]`."""
-    key = repeat_kv(key, module.num_key_value_groups)
+    weights = eager_attention_weights(module, query, key, attention_mask, scaling, dropout)
     value = repeat_kv(value, module.num_key_value_groups)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def eager_attention_weights(module, query, key, attention_mask, scaling, dropout=0.0):
+    """`softmax(scaling q k^T + mask)` (dropout in training): query `[b, h, q, d]`, key `[b, h_kv, kv, d]` -> `[b, h,
+    q, kv]`."""
+    key = repeat_kv(key, module.num_key_value_groups)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
@@ -95,9 +103,29 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
         else:
             weights = weights + attention_mask
     weights = nn.functional.softmax(weights, dim=-1, dtype=torch.promote_types(weights.dtype, torch.float32))
-    weights = weights.to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+    return nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
+
+
+def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
+    """`output_attentions`: every head's weights as one tensor `[b, h_s + h_r, q, kv]` (sensory heads first, zero
+    rows for receivers without senders), from which both head types aggregate, so the weights returned are the ones
+    the outputs come from. `sensory_inputs` (query, key, value, mask) and `relational_inputs` (query, key, symbol
+    values, relation queries, relation keys, mask, relative_position_index, query_offset), for the head types the
+    layer has -> (output `[b, q, h_s * d_h + h_r * d_h]`, weights, relations `[b, R, q, kv]` or None)."""
+    parts, relations = [], None
+    if sensory is not None:
+        parts.append(sensory.attention_weights(*sensory_inputs))
+    if relational is not None:
+        weights_r, relations = relational.attention_weights(*relational_inputs)
+        parts.append(weights_r)
+    weights = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    outputs, heads = [], 0
+    if sensory is not None:
+        heads = sensory.num_heads
+        outputs.append(sensory.output_from_weights(weights[:, :heads], sensory_inputs[2]))
+    if relational is not None:
+        outputs.append(relational.output_from_weights(weights[:, heads:], relations, *relational_inputs[2:]))
+    return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0], weights, relations
 
 
 def _zero_isolated(mask: AttentionMask, out, weights):
@@ -152,6 +180,17 @@ class SensoryAttention(nn.Module):
         else:
             out, weights = self._attend(attention_interface, query, key, value, mask, **kwargs)
         return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+
+    def attention_weights(self, query, key, value, mask: AttentionMask):
+        """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders); see `attend_with_weights`."""
+        weights = eager_attention_weights(self, query, key, mask.dense(query.shape[2], key.shape[2], query.device),
+                                          self.scaling, self.attention_dropout if self.training else 0.0)
+        return weights if mask.row_valid is None else weights * mask.row_valid.to(weights.dtype)
+
+    def output_from_weights(self, weights, value):
+        """weights `[b, h, q, kv]`, value `[b, h_kv, kv, d_h]` -> output `[b, q, h * d_h]`."""
+        out = torch.matmul(weights, repeat_kv(value, self.num_key_value_groups)).transpose(1, 2)
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
 
     def _attend(self, attention_interface, query, key, value, mask: AttentionMask, **kwargs):
         senders = mask.senders_in_view(query.shape[2], key.shape[2])
@@ -237,6 +276,27 @@ class RelationalAttention(nn.Module):
                                                         relation_keys, mask, output_attentions,
                                                         relative_position_index, query_offset)
         return self.o_proj(messages.reshape(*messages.shape[:2], -1)), weights, relations
+
+    def attention_weights(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
+                          relative_position_index=None, query_offset=None):
+        """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders) and relations `[b, R, q, kv]`;
+        see `attend_with_weights`."""
+        select_relational_attention(self, query, mask, output_attentions=True)  # the reference's stages ("eager")
+        weights, relations = relational_weights(
+            self, query, repeat_kv(key, self.num_key_value_groups), relation_queries, relation_keys,
+            mask.dense(query.shape[2], key.shape[2], query.device), self.scaling, self.relation_scaling,
+            self.attention_dropout if self.training else 0.0)
+        return (weights if mask.row_valid is None else weights * mask.row_valid.to(weights.dtype)), relations
+
+    def output_from_weights(self, weights, relations, symbol_values, relation_queries=None, relation_keys=None,
+                            mask=None, relative_position_index=None, query_offset=None):
+        """Messages from explicit weights `[b, h, q, kv]` and relations, projected: -> `[b, q, h * d_h]`."""
+        b, _, q_len, kv_len = weights.shape
+        symbol_index = symbol_rows(self, relative_position_index, query_offset, 0, q_len, q_len, kv_len,
+                                   weights.device)
+        messages = relational_messages(self, weights, relations, per_head_symbols(self, symbol_values, b),
+                                       symbol_index)
+        return self.o_proj(messages.reshape(b, q_len, -1))
 
     def _attend(self, backend, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
                 output_attentions=False, relative_position_index=None, query_offset=None):
@@ -345,21 +405,20 @@ class DualAttention(nn.Module):
         q_r, k_r = queries[0], keys[0]
         q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
 
-        outputs, weights, relations = [], [], None
+        if relational is not None and not relational.relative_symbols:
+            symbol_values = values[-2]
+        sensory_inputs = (q_s, k_s, values[0], sensory_mask) if sensory is not None else None
+        relational_inputs = (q_r, k_r, symbol_values, relation_queries, values[-1], relational_mask,
+                             relative_position_index, query_offset) if relational is not None else None
+        if kwargs.get("output_attentions", False):
+            return attend_with_weights(sensory, relational, sensory_inputs, relational_inputs)
+        outputs = []
         if sensory is not None:
-            out_s, weights_s = sensory(q_s, k_s, values[0], sensory_mask, **kwargs)
-            outputs.append(out_s)
-            weights.append(weights_s)
+            outputs.append(sensory(*sensory_inputs, **kwargs)[0])
         if relational is not None:
-            if not relational.relative_symbols:
-                symbol_values = values[-2]
-            out_r, weights_r, relations = relational(
-                q_r, k_r, symbol_values, relation_queries, values[-1], relational_mask,
-                relative_position_index=relative_position_index, query_offset=query_offset, **kwargs)
-            outputs.append(out_r)
-            weights.append(weights_r)
-        out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return out, (torch.cat(weights, dim=1) if kwargs.get("output_attentions", False) else None), relations
+            outputs.append(relational(*relational_inputs[:6], relative_position_index=relative_position_index,
+                                      query_offset=query_offset, **kwargs)[0])
+        return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
 
     def _value_views(self, parts):
         """Flat values `[b, N, width]` (cached as one `[b, 1, N, sum of widths]` slot) -> sensory values and symbol

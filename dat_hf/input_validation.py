@@ -128,8 +128,12 @@ def position_limits(config, symbol_retrievers) -> list[tuple[str, int, str]]:
     """(config field, limit, what) of the position tables of a stack: learned position embeddings and positional
     symbols."""
     limits = []
+    # CODEPATH: input check. Learned positions have a longest position (the paper's ViDAT and math models, the
+    # reference LM's `pos_enc_type='pos_emb'`); RoPE (the released LMs) has none.
     if config.position_embedding_type == "learned":
         limits.append(("max_position_embeddings", config.max_position_embeddings, "learned positions"))
+    # CODEPATH: input check. Positional symbols (the paper's relational-games models; no released weights) index a
+    # table; symbolic attention (the released LMs) and position-relative symbols do not.
     if config.symbol_retrieval == "positional" and symbol_retrievers is not None:
         limits.append(("max_symbol_positions", symbol_retrievers.retrievers[0].max_positions, "positional symbols"))
     return limits
@@ -207,6 +211,7 @@ def validate_positions(config, symbol_retrievers, position_ids, name: str = "pos
 
 def validate_graph_inputs(config, graph_adjacency, batch_size: int, seq_len: int, past_key_values=None):
     """`graph_adjacency` `[b, n, n]` (bool) for the layers whose relational bias is `graph` (no KV cache)."""
+    # CODEPATH: input check. The `graph` bias (a dat_hf feature, no released checkpoint) takes an adjacency per input.
     if not ENABLED or not any("graph" in pair for pair in config.layer_biases()):
         return
     if past_key_values is not None and past_key_values.get_seq_length() > 0:
@@ -303,6 +308,8 @@ def validate_pixel_values(config, pixel_values, interpolate_pos_encoding: bool, 
             "pass `interpolate_pos_encoding=True` to interpolate the position embeddings."
         )
     num_tokens = 1 + (height // ph) * (width // pw)
+    # CODEPATH: input check. Positional symbols (the paper's relational-games models; no released weights) cover a
+    # fixed number of tokens; the paper's ViDAT uses position-relative symbols.
     if config.symbol_retrieval == "positional" and symbol_retrievers is not None:
         limit = symbol_retrievers.retrievers[0].max_positions
         if num_tokens > limit:

@@ -225,13 +225,17 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
 
 def attentions_imply_relations(func):
     """`output_attentions` (the config's unless given) travels down in the kwargs to the attention modules, which
-    then return every head's weights (with the eager functions); `output_attentions=True` also returns the relations."""
+    then return every head's weights (with the eager functions); `output_attentions=True` also returns the relations
+    (unless the model sets `relations_with_attentions = False`: then only with `output_relations=True`, which also
+    returns the weights)."""
 
     @wraps(func)
     def wrapper(self, *args, **kwargs):
         kwargs.setdefault("output_attentions", getattr(self.config, "output_attentions", False))
-        if kwargs["output_attentions"]:
+        if kwargs["output_attentions"] and self.relations_with_attentions:
             kwargs.setdefault("output_relations", True)
+        if kwargs.get("output_relations"):  # relations come from the explicit path, with the weights
+            kwargs["output_attentions"] = True
         return func(self, *args, **kwargs)
 
     return wrapper
@@ -250,6 +254,8 @@ class DATPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _can_compile_fullgraph = True
     _supports_attention_backend = False
+    # `output_attentions=True` also returns the relations (see `attentions_imply_relations`)
+    relations_with_attentions = True
     _can_record_outputs = {
         "hidden_states": DATDecoderLayer,
         "attentions": OutputRecorder(DualAttention, index=1),

@@ -40,7 +40,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .cache_dat import check_cache, prepare_cache
-from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, fused_linear
+from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, attend_with_weights, fused_linear
 from .input_validation import (
     validate_encoder_states,
     validate_positions,
@@ -178,10 +178,10 @@ encoder_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `outpu
 decoder_attentions (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
     Self-attention weights of every decoder head, sensory heads first: one tensor of shape `(batch_size,
     num_sensory_heads + num_relational_heads, target_length, key_length)` per decoder layer.
-encoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+encoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_relations=True`):
     The relations of the encoder's relational heads: one tensor of shape `(batch_size, num_relations, source_length,
     source_length)` per encoder layer.
-decoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_attentions=True`):
+decoder_relations (`tuple(torch.FloatTensor)`, *optional*, returned when `output_relations=True`):
     The relations of the decoder self-attention's relational heads: one tensor of shape `(batch_size, num_relations,
     target_length, key_length)` per decoder layer.
 """
@@ -301,21 +301,23 @@ class DATCrossAttention(nn.Module):
         key_parts = key_cache.split(
             [module.num_kv_heads for module in (self.sensory, self.relational) if module is not None], dim=1)
         value_parts = value_cache[:, 0].split(self._value_widths(), dim=-1)
-        outputs, weights, relations = [], [], None
+        sensory_inputs = relational_inputs = None
         if self.sensory is not None:
             v_s = value_parts[0].view(b, m, -1, self.head_dim).transpose(1, 2)
-            out_s, weights_s = self.sensory(q_s, key_parts[0], v_s, mask, **kwargs)
-            outputs.append(out_s)
-            weights.append(weights_s)
+            sensory_inputs = (q_s, key_parts[0], v_s, mask)
         if self.relational is not None:
             rel = self.relational
             symbol_values = value_parts[-2].view(b, m, -1, self.head_dim).transpose(1, 2)
             relation_keys = value_parts[-1].view(b, m, rel.num_relations, rel.relation_dim)
-            out_r, weights_r, relations = rel(q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask, **kwargs)
-            outputs.append(out_r)
-            weights.append(weights_r)
-        out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return out, (torch.cat(weights, dim=1) if kwargs.get("output_attentions", False) else None), relations
+            relational_inputs = (q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask, None, None)
+        if kwargs.get("output_attentions", False):
+            return attend_with_weights(self.sensory, self.relational, sensory_inputs, relational_inputs)
+        outputs = []
+        if self.sensory is not None:
+            outputs.append(self.sensory(*sensory_inputs, **kwargs)[0])
+        if self.relational is not None:
+            outputs.append(self.relational(*relational_inputs[:6], **kwargs)[0])
+        return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
 
 
 class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
@@ -368,6 +370,8 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
     _can_record_outputs = None
     # Trainer: the loss is a plain mean over label tokens (no `num_items_in_batch`)
     accepts_loss_kwargs = False
+    # seq2seq outputs keep Transformers' fields under `output_attentions`: relations only with `output_relations=True`
+    relations_with_attentions = False
 
     auto_classes = {
         "AutoConfig": "configuration_dat_seq2seq.DATSeq2SeqConfig",
@@ -443,6 +447,8 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
             hidden_size)`, and on request the hidden states, the attention weights of every head and the relations.
         """
         stack = self.stack_config
+        # CODEPATH: error wording only. A separate source vocabulary: no released checkpoint (the paper's math models
+        # share one character vocabulary).
         vocab_field = "encoder_vocab_size" if self.config.encoder_vocab_size else "vocab_size"
         validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, vocab_size=stack.source_vocab_size,
                              hidden_size=stack.hidden_size, vocab_field=vocab_field)

@@ -59,12 +59,8 @@ def eager_relational_attention(module, query, key, symbol_values, relation_queri
     """
     b, h, q_len, _ = query.shape
     kv_len, num_relations = key.shape[2], relation_queries.shape[2]
-    groups = module.num_key_value_groups
-    key = repeat_kv(key, groups)
-    if symbol_values.dim() == 3:  # position-relative table
-        symbol_values = symbol_values.repeat_interleave(groups, dim=1)  # [P, h, d_h]
-    else:
-        symbol_values = repeat_kv(symbol_values, groups).expand(b, -1, -1, -1)
+    key = repeat_kv(key, module.num_key_value_groups)
+    symbol_values = per_head_symbols(module, symbol_values, b)
     block = q_len if output_attentions else max(1, min(q_len, BLOCK_ELEMENTS // (b * (h + num_relations) * kv_len)))
     checkpointed = module.training and torch.is_grad_enabled() and block < q_len
     outputs = []
@@ -72,33 +68,47 @@ def eager_relational_attention(module, query, key, symbol_values, relation_queri
         end = min(q_len, start + block)
         args = (module, query[:, :, start:end], key, symbol_values, relation_queries[:, start:end], relation_keys,
                 attention_mask.dense(q_len, kv_len, query.device, start, end),
-                _symbol_rows(module, relative_position_index, query_offset, start, end, q_len, kv_len, query.device),
-                scaling, relation_scaling, dropout, output_attentions)
+                symbol_rows(module, relative_position_index, query_offset, start, end, q_len, kv_len, query.device),
+                scaling, relation_scaling, dropout)
         if checkpointed:
             outputs.append(torch.utils.checkpoint.checkpoint(_attend_block, *args, use_reentrant=False))
         else:
             outputs.append(_attend_block(*args))
-    messages, weights, relations = zip(*outputs)
-    messages = torch.cat(messages, dim=1)
-    if not output_attentions:
-        return messages, None, None
-    return messages, torch.cat(weights, dim=2), torch.cat(relations, dim=2)
+    messages, weights, relations = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1 if i == 0 else 2)
+                                    for i, parts in enumerate(zip(*outputs)))
+    return (messages, weights, relations) if output_attentions else (messages, None, None)
 
 
 def _attend_block(module, query, key, symbol_values, q_rel, k_rel, mask, symbol_index, scaling, relation_scaling,
-                  dropout, output_attentions):
-    """One block of m receivers: query `[b, h, m, d_h]` -> messages `[b, m, h, d_h]` (+ weights `[b, h, m, kv]`,
-    relations `[b, R, m, kv]` when asked)."""
+                  dropout):
+    """One block of m receivers (key and symbol values per query head): -> messages `[b, m, h, d_h]`, weights
+    `[b, h, m, kv]`, relations `[b, R, m, kv]`."""
+    weights, relations = relational_weights(module, query, key, q_rel, k_rel, mask, scaling, relation_scaling,
+                                            dropout)
+    return relational_messages(module, weights, relations, symbol_values, symbol_index), weights, relations
+
+
+def relational_weights(module, query, key, relation_queries, relation_keys, mask, scaling: float,
+                       relation_scaling: float, dropout: float = 0.0):
+    """Explicit attention weights and relations: query `[b, h, m, d_h]`, key `[b, h, kv, d_h]` (one per query head),
+    relation queries `[b, m, R, d_r]` and keys `[b, kv, R, d_r]`, mask None, bool (True = attend) or additive
+    `[b|1, 1, m, kv]` -> weights `[b, h, m, kv]` (after dropout), relations `[b, R, m, kv]`."""
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    weights = weights.to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    # r_l(x_i, x_j) for the block's receivers: [b, R, m, kv]
-    relations = torch.einsum("bqrd,bkrd->brqk", q_rel, k_rel) * relation_scaling
+    weights = nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
+    # r_l(x_i, x_j) = act(relation_scaling <q_rel,l(x_i), k_rel,l(x_j)>)
+    relations = torch.einsum("bqrd,bkrd->brqk", relation_queries, relation_keys) * relation_scaling
     if module.relation_act is not None:
         relations = module.relation_act(relations)
+    return weights, relations
+
+
+def relational_messages(module, weights, relations, symbol_values, symbol_index=None):
+    """A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h from explicit weights `[b, h, m, kv]` and
+    relations `[b, R, m, kv]`; symbol values per query head `[b, h, kv, d_h]`, or the position-relative table
+    `[P, h, d_h]` read at `symbol_index` `[m, kv]` -> messages `[b, m, h, d_h]`."""
     attended_relations = torch.einsum("bhqk,brqk->bqhr", weights, relations)
     if symbol_index is None:
         attended_symbols = torch.matmul(weights, symbol_values).transpose(1, 2)  # [b, m, h, d_h]
@@ -106,13 +116,19 @@ def _attend_block(module, query, key, symbol_values, q_rel, k_rel, mask, symbol_
         binned = weights.new_zeros(*weights.shape[:3], symbol_values.shape[0])
         binned.scatter_add_(-1, symbol_index.expand_as(weights), weights)
         attended_symbols = torch.einsum("bhqp,phd->bqhd", binned, symbol_values)
-    # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
-    messages = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations,
-                                               module.relation_proj.to(query.dtype))
-    return messages, (weights if output_attentions else None), (relations if output_attentions else None)
+    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations,
+                                           module.relation_proj.to(weights.dtype))
 
 
-def _symbol_rows(module, relative_position_index, query_offset, start: int, end: int, q_len: int, kv_len: int,
+def per_head_symbols(module, symbol_values, batch_size: int):
+    """Symbol values for every query head: `[b|1, h_kv, kv, d_h]` -> `[b, h, kv, d_h]`, or the position-relative
+    table `[P, h_kv, d_h]` -> `[P, h, d_h]`."""
+    if symbol_values.dim() == 3:
+        return symbol_values.repeat_interleave(module.num_key_value_groups, dim=1)
+    return repeat_kv(symbol_values, module.num_key_value_groups).expand(batch_size, -1, -1, -1)
+
+
+def symbol_rows(module, relative_position_index, query_offset, start: int, end: int, q_len: int, kv_len: int,
                  device):
     """Rows of the position-relative symbol table for receivers [start, end) (long `[m, kv]`), or None."""
     if not module.relative_symbols:
@@ -243,4 +259,5 @@ def select_relational_attention(module, query, mask: AttentionMask, output_atten
 
 
 __all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend", "RelationalCall",
-           "eager_relational_attention", "repeat_kv", "select_relational_attention"]
+           "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_weights", "repeat_kv",
+           "select_relational_attention", "symbol_rows"]

@@ -370,7 +370,7 @@ def test_output_attentions_travel_in_kwargs():
         model = make_model()
         model.set_attn_implementation(implementation)
         calls = seen[implementation] = []
-        model.model.layers[0].dual_attn.sensory.register_forward_pre_hook(
+        model.model.layers[0].dual_attn.register_forward_pre_hook(
             lambda module, args, kwargs: calls.append(kwargs.get("output_attentions")), with_kwargs=True)
         out = outputs[implementation] = model(ids, output_attentions=True)
         assert len(out.attentions) == len(out.relations) == model.config.num_hidden_layers

@@ -304,8 +304,12 @@ def test_output_attentions():
     assert len(out.encoder_attentions) == 2 and out.encoder_attentions[0].shape == (3, 4, 9, 9)
     assert len(out.decoder_attentions) == 2 and out.decoder_attentions[0].shape == (3, 4, 4, 4)
     assert len(out.cross_attentions) == 2 and out.cross_attentions[0].shape == (3, 4, 4, 9)
-    assert len(out.encoder_relations) == 2 and out.encoder_relations[0].shape == (3, 2, 9, 9)
-    assert len(out.decoder_relations) == 2 and out.decoder_relations[0].shape == (3, 2, 4, 4)
+    # relations on request only (the output keeps Transformers' seq2seq fields under `output_attentions`)
+    assert out.encoder_relations is None and out.decoder_relations is None
+    with_relations = model(input_ids=x, attention_mask=mask, decoder_input_ids=torch.full((3, 4), 2),
+                           output_relations=True)
+    assert len(with_relations.encoder_relations) == 2 and with_relations.encoder_relations[0].shape == (3, 2, 9, 9)
+    assert len(with_relations.decoder_relations) == 2 and with_relations.decoder_relations[0].shape == (3, 2, 4, 4)
     assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 3
     # padded source tokens get no cross-attention
     assert out.cross_attentions[0][2, :, :, 4:].abs().max() == 0
