@@ -26,16 +26,17 @@ import subprocess
 import sys
 import time
 
-IMPLS = ("dat_hf", "reference", "llama", "baseline")
+IMPLS = ("dat_hf", "reference", "llama", "baseline", "dat_hf_causal")
 
 
 # ---- the models ------------------------------------------------------------------------------------------------------
-def dat_config(args, max_len):
-    """The dat_hf config of the benchmark (a preset's shapes at `--layers` depth, or the small benchmark model)."""
+def dat_config(args, max_len, causal=False):
+    """The dat_hf config of the benchmark (a preset's shapes at `--layers` depth, or the small benchmark model), with
+    `--relational-bias` (or the causal bias)."""
     import dat_hf  # noqa: F401  (also registers the compiled backends)
     from dat_hf import DATConfig
 
-    bias = dict(relational_bias=args.relational_bias, sliding_window_size=args.window)
+    bias = dict(relational_bias="causal" if causal else args.relational_bias, sliding_window_size=args.window)
     if args.preset:
         from dat_hf.training import load_preset_config
 
@@ -78,7 +79,7 @@ def build(impl, args, max_len):
     import torch
 
     torch.manual_seed(0)
-    config = dat_config(args, max_len)
+    config = dat_config(args, max_len, causal=impl == "dat_hf_causal")
     if impl == "llama":
         from transformers import LlamaForCausalLM
 
@@ -94,7 +95,7 @@ def build(impl, args, max_len):
         import dat_hf
 
         model = dat_hf.from_reference_model(reference)
-        model.config.relational_bias, model.config.sliding_window_size = args.relational_bias, args.window
+        model.config.relational_bias, model.config.sliding_window_size = config.relational_bias, args.window
     else:
         from dat_hf import DATForCausalLM
 
@@ -191,7 +192,7 @@ def worker_train(args):
     model = build(args.impl, args, max(args.seq, args.max_len)).train().to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if args.compile:  # the first (warm-up) step compiles; dat_hf and Llama compile as one graph
-        if args.impl in ("dat_hf", "baseline"):  # compiled graphs call dat_hf's CPU kernel only when it is loaded
+        if args.impl in ("dat_hf", "baseline", "dat_hf_causal"):  # compiled graphs call the CPU kernel when loaded
             import dat_hf
 
             dat_hf.load_cpu_kernel()
@@ -375,15 +376,15 @@ def main_train(args):
           + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
     print("times and memory: medians over repetitions; ratios: median [min-max] of the per-repetition ratios; "
           "flops: the FLOP model's dat_hf / llama for the relational backend that ran")
-    others = [o for o in ("reference", "llama", "baseline") if o in args.impls]
-    header = f"{'seq':>6} {'impl':>10} {'backend':>8} {'time s':>8} {'peak GiB':>9} {'net GiB':>8}"
+    others = [o for o in ("reference", "llama", "baseline", "dat_hf_causal") if o in args.impls]
+    header = f"{'seq':>6} {'impl':>13} {'backend':>8} {'time s':>8} {'peak GiB':>9} {'net GiB':>8}"
     header += "".join(f" {'t/' + o:>17}" for o in others) + "".join(f" {'m/' + o:>10}" for o in others)
     print(header + f" {'flops/llama':>11}")
     for seq, row in table.items():
         for impl, r in row.items():
             def cell(value, fmt):
                 return format(value, fmt) if value else "-"
-            line = (f"{seq:>6} {impl:>10} {r['relational_backend'] or '-':>8} {cell(r['time_s'], '.3f'):>8} "
+            line = (f"{seq:>6} {impl:>13} {r['relational_backend'] or '-':>8} {cell(r['time_s'], '.3f'):>8} "
                     f"{cell(r['peak_gib'], '.2f'):>9} {cell(r['net_gib'], '.2f'):>8}")
             line += "".join(f" {ratio_cell(r['ratios'].get(f'time_s/{o}'), True):>17}" for o in others)
             line += "".join(f" {ratio_cell(r['ratios'].get(f'peak_gib/{o}')):>10}" for o in others)
@@ -398,7 +399,7 @@ def main_generate(args):
           f"{args.dtype}, {'compiled, ' if args.compile else ''}{args.cache if not args.compile else 'static'} cache); "
           "decode = median ms per step after the prompt, with prompt = total time / new tokens")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
-    others = [o for o in ("llama", "reference", "baseline") if o in args.impls]
+    others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10}"
           + "".join(f" {'decode/' + o:>19}" for o in others))
     for prompt, row in table.items():
@@ -538,7 +539,8 @@ def parser():
                         "parts: one layer's components (attention, symbol retrieval, MLP, kernels) beside Llama's")
     models = p.add_argument_group("models")
     models.add_argument("--impls", nargs="+", default=["dat_hf", "reference", "llama"], choices=IMPLS,
-                        help="implementations to compare (baseline: dat_hf from the --baseline checkout)")
+                        help="implementations to compare (baseline: dat_hf from the --baseline checkout; "
+                             "dat_hf_causal: dat_hf with the causal bias, beside a --relational-bias)")
     models.add_argument("--baseline", metavar="DIR",
                         help="a checkout of dat_hf (e.g. `git worktree add /tmp/old <commit>`) measured as `baseline`")
     models.add_argument("--preset", help="the shapes of a model preset (e.g. dat-343m; Llama matched), at --layers")
