@@ -116,8 +116,8 @@ def relational_backend(model):
 
 # ---- the FLOP model --------------------------------------------------------------------------------------------------
 def macs_per_token(config, context, backend="llama"):
-    """Multiply-adds of one token's forward through every layer, with `context` senders per receiver on average:
-    projections, MLP, symbol retrieval and attention. Relational attention costs, per (receiver, sender) pair,
+    """Multiply-adds of one token's forward, with `context` senders per receiver on average: the LM head, and in
+    every layer the projections, MLP, symbol retrieval and attention. Relational attention costs, per (receiver, sender) pair,
     `h d_h` (scores) + `R d_r` (relations, once for all heads) + `h R` (weighted relations) + `h d_h` (symbols) when
     relations are formed per pair (the compiled kernels, the reference), `h (d_h + d_v)` with `d_v = d_h + R d_r`
     with fused values (flex_attention), `2 h d_v` with SDPA's zero-padded queries and keys; `backend="llama"` counts
@@ -125,8 +125,9 @@ def macs_per_token(config, context, backend="llama"):
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads = config.num_sensory_heads + config.num_relational_heads
     d_h = d // heads
+    head = d * config.vocab_size  # the LM head (tied to the embeddings), the same in both models
     if backend == "llama":
-        return layers * (4 * d * d + 3 * d * f + 2 * heads * d_h * context)
+        return head + layers * (4 * d * d + 3 * d * f + 2 * heads * d_h * context)
     h_s, h_r = config.num_sensory_heads, config.num_relational_heads
     kv_s, kv_r = config.sensory_kv_heads, config.relational_kv_heads
     rel = config.relations * config.relation_head_dim
@@ -139,7 +140,7 @@ def macs_per_token(config, context, backend="llama"):
         per_pair += h_r * (d_h + d_h + rel)
     else:  # relations formed once per pair (the compiled kernels and the reference)
         per_pair += 2 * h_r * d_h + rel + h_r * config.relations
-    return layers * (projections + 3 * d * f + symbols + per_pair * context)
+    return head + layers * (projections + 3 * d * f + symbols + per_pair * context)
 
 
 def flop_ratio(args, seq, backend, window=None):

@@ -56,7 +56,7 @@ def test_benchmark_generate_smoke(tmp_path):
 
 def test_benchmark_bf16_options_smoke(tmp_path):
     """`--dtype bf16` (autocast in training, bf16 weights in generation) runs end to end; on this CPU machine it stands
-    in for the `--device cuda --dtype bf16` run a GPU session makes."""
+    in for the `--device cuda --dtype bf16` run made on a GPU machine."""
     common = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64", "--threads", "1",
               "--impls", "dat_hf", "llama", "--device", "cpu", "--dtype", "bf16"]
     script = str(REPO / "scripts" / "benchmark.py")
