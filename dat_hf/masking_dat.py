@@ -20,7 +20,8 @@ form (no NaN) and their output is zeroed.
 from typing import NamedTuple
 
 import torch
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
+                                        create_causal_mask, create_sliding_window_causal_mask)
 
 
 class AttentionMask(NamedTuple):
@@ -63,16 +64,6 @@ class AttentionMask(NamedTuple):
         """How many senders (from the first) any receiver can see: `q_len` for an implicit causal mask over more
         senders (a prefill into a static cache, whose later slots are empty), else `kv_len`."""
         return q_len if self.mask is None and self.is_causal and 1 < q_len < kv_len else kv_len
-
-
-def _window_function(window: int, two_sided: bool):
-    def window_fn(batch_idx, head_idx, q_idx, kv_idx):
-        distance = q_idx - kv_idx
-        if two_sided:
-            return (distance <= window) & (distance >= -window)
-        return distance <= window
-
-    return window_fn
 
 
 def _token_positions(attention_mask):
@@ -173,11 +164,13 @@ def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=No
 
 
 class _MaskFormat:
-    """A config as `masking_utils` reads it, with the attention implementation whose mask format is wanted."""
+    """A config as `masking_utils` reads it, with the attention implementation whose mask format is wanted (and the
+    window of its sliding-window masks)."""
 
-    def __init__(self, config, attn_implementation: str):
+    def __init__(self, config, attn_implementation: str, sliding_window: int | None = None):
         self._config = config
         self._attn_implementation = attn_implementation
+        self.sliding_window = sliding_window
 
     def __getattr__(self, name):
         return getattr(self._config, name)
@@ -188,10 +181,12 @@ def uses_flex_attention(config) -> bool:
     return "flex_attention" in (config._attn_implementation, getattr(config, "relational_attn_implementation", None))
 
 
-def _both_formats(create, config, **kwargs):
+def _both_formats(create, config, sliding_window=None, **kwargs):
     """(dense mask, BlockMask or None) from a `masking_utils` mask function."""
-    dense = create(config=_MaskFormat(config, "sdpa"), **kwargs)
-    block = create(config=_MaskFormat(config, "flex_attention"), **kwargs) if uses_flex_attention(config) else None
+    dense = create(config=_MaskFormat(config, "sdpa", sliding_window), **kwargs)
+    block = None
+    if uses_flex_attention(config):
+        block = create(config=_MaskFormat(config, "flex_attention", sliding_window), **kwargs)
     return dense, block
 
 
@@ -208,17 +203,25 @@ def build_attention_mask(
     """Build the mask of one relational bias. `causal` intersects every bias with the causal order (decoders)."""
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.bool()
-    and_fn = None
+    if bias == "sliding_window_bidirectional" and causal:
+        bias = "sliding_window"  # (the causal order keeps one side of the window)
     if bias in ("sliding_window", "sliding_window_bidirectional"):
-        and_fn = _window_function(config.sliding_window_size, two_sided=bias == "sliding_window_bidirectional")
-    elif bias == "sparse":
+        # Transformers' own window masks (index arithmetic): `sliding_window_size` = p previous tokens and itself
+        two_sided = bias == "sliding_window_bidirectional"
+        create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
+        window = config.sliding_window_size + (0 if two_sided else 1)
+        masks = _both_formats(create, config, window, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                              past_key_values=past_key_values, **({} if two_sided else {"position_ids": position_ids}))
+        return _with_row_validity(*masks[:1], is_causal=not two_sided, block_mask=masks[1])
+    and_fn = None
+    if bias == "sparse":
         and_fn = _sparse_function(config, inputs_embeds.device, _token_positions(attention_mask))
     elif bias == "graph":
         and_fn = _graph_function(graph_adjacency)
     elif bias not in ("full", "causal"):
         raise ValueError(f"Unknown relational bias {bias!r}.")
-    # `causal` and `sliding_window` are ordered graphs in any model (also bidirectional encoders)
-    ordered = bias in ("causal", "sliding_window") or (causal and bias != "full")
+    # `causal` is an ordered graph in any model (also bidirectional encoders)
+    ordered = bias == "causal" or (causal and bias != "full")
     if ordered:
         masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               past_key_values=past_key_values, position_ids=position_ids, and_mask_function=and_fn)
