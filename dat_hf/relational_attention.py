@@ -177,7 +177,7 @@ class RelationalBackend(NamedTuple):
     preferred_on: tuple[str, ...] = ()
 
 
-def _fused_values_limits(call: RelationalCall) -> str | None:
+def fused_values_limits(call: RelationalCall) -> str | None:
     """What the fused-values backends (sdpa, flex) need: identity relations and symbols per sender."""
     if call.output_attentions:
         return "it does not return attention weights (use 'eager')"
@@ -189,7 +189,7 @@ def _fused_values_limits(call: RelationalCall) -> str | None:
 
 
 def _supports_flex(call: RelationalCall) -> str | None:
-    if (reason := _fused_values_limits(call)) is not None:
+    if (reason := fused_values_limits(call)) is not None:
         return reason
     if call.dropout > 0:
         return "flex_attention has no attention dropout"
@@ -219,7 +219,7 @@ class RelationalAttentionInterface(dict):
 
 RELATIONAL_ATTENTION_FUNCTIONS = RelationalAttentionInterface()
 RELATIONAL_ATTENTION_FUNCTIONS.register("eager", eager_relational_attention, lambda call: None)
-RELATIONAL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_relational_attention, _fused_values_limits)
+RELATIONAL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_relational_attention, fused_values_limits)
 RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attention, _supports_flex)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..kernel_hooks import register_kernel
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
+from .autograd import relational_op_autograd
 from .cpu_build import build_extension
 
 _READY = [False]
@@ -72,21 +73,7 @@ def _register_python_side():
     def _rope_fake(x, cos, sin, transpose):
         return x.new_empty(x.shape)
 
-    def setup_context(ctx, inputs, output):
-        query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling = inputs
-        symbols, relations, lse = output
-        ctx.save_for_backward(query, key, values, q_rel, k_rel, symbols, relations, lse, mask)
-        ctx.options = (causal, scaling, relation_scaling)
-        ctx.mark_non_differentiable(lse)
-
-    def backward(ctx, grad_symbols, grad_relations, _grad_lse):
-        query, key, values, q_rel, k_rel, symbols, relations, lse, mask = ctx.saved_tensors
-        grad_symbols = torch.zeros_like(symbols) if grad_symbols is None else grad_symbols
-        grad_relations = torch.zeros_like(relations) if grad_relations is None else grad_relations
-        grads = torch.ops.dat_hf.relational_attention_backward(
-            grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, mask, *ctx.options)
-        return (*grads, None, None, None, None)
-
+    setup_context, backward = relational_op_autograd(torch.ops.dat_hf.relational_attention_backward)
     torch.library.register_autograd("dat_hf::relational_attention_forward", backward, setup_context=setup_context)
 
 

@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, _fused_values_limits
+from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, fused_values_limits
+from .autograd import relational_op_autograd
 
 
 # as the kernels below are decorated: they stay interpreted (or compiled) for the life of the process
@@ -475,23 +476,7 @@ def _(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, r
     return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling = inputs
-    symbols, relations, lse = output
-    ctx.save_for_backward(query, key, values, q_rel, k_rel, symbols, relations, lse, mask)
-    ctx.options = (causal, scaling, relation_scaling)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_symbols, grad_relations, _grad_lse):
-    query, key, values, q_rel, k_rel, symbols, relations, lse, mask = ctx.saved_tensors
-    grad_symbols = torch.zeros_like(symbols) if grad_symbols is None else grad_symbols
-    grad_relations = torch.zeros_like(relations) if grad_relations is None else grad_relations
-    grads = _backward_op(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse,
-                         mask, *ctx.options)
-    return (*grads, None, None, None, None)
-
-
+_setup_context, _backward = relational_op_autograd(_backward_op)
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -534,7 +519,7 @@ def supports_triton(call: RelationalCall) -> str | None:
         return "the Triton kernel runs on CUDA (on CPU only under TRITON_INTERPRET=1)"
     if call.dtype not in _DTYPES:
         return f"the Triton kernel runs float32, float16 or bfloat16, not {call.dtype}"
-    if (reason := _fused_values_limits(call)) is not None:
+    if (reason := fused_values_limits(call)) is not None:
         return reason
     if call.dropout > 0:
         return "the Triton kernel has no attention dropout"
