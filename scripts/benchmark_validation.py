@@ -44,8 +44,10 @@ def main():
 
     torch.set_num_threads(args.threads)
     max_len = max(args.seq, args.prompt + args.new_tokens)
-    model = build("dat_hf", vocab=args.vocab, d=args.hidden, layers=args.layers, sa=args.heads, ra=args.heads,
-                  dff=args.ffn, max_len=max_len)
+    model_args = argparse.Namespace(vocab=args.vocab, hidden=args.hidden, layers=args.layers, sensory_heads=args.heads,
+                                    relational_heads=args.heads, ffn=args.ffn, preset=None, attn="sdpa",
+                                    relational_backend=None, relational_bias="causal", window=None)
+    model = build("dat_hf", model_args, max_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
     mask = torch.ones_like(x)

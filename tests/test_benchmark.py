@@ -85,3 +85,14 @@ def test_benchmark_parts_smoke(tmp_path):
                  "dat_hf mlp", "llama mlp", "sdpa 4 heads", "sdpa 8 heads"):
         assert parts[name]["fwd_ms"] > 0 and parts[name]["bwd_ms"] > 0, name
     assert "dat_hf layer / llama layer" in result.stdout
+
+
+def test_benchmark_validation_smoke():
+    """scripts/benchmark_validation.py builds the benchmark model through benchmark.py and reports both ratios."""
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark_validation.py"), "--repeats", "1", "--steps", "1",
+           "--batch", "1", "--seq", "16", "--prompt", "4", "--new-tokens", "2", "--vocab", "64", "--hidden", "32",
+           "--layers", "1", "--heads", "1", "--ffn", "64"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "train step (s)     on" in result.stdout and "decode (ms/token)  on" in result.stdout
+    assert "checks of one decode step" in result.stdout
