@@ -239,8 +239,8 @@ def test_validation_off_lets_bad_input_through_to_torch(models, monkeypatch):
         models["lm"](input_ids=ids() + VOCAB)
 
 
-def test_mask_with_2s_no_longer_shifts_positions(models):
-    """A mask of 2s used to count every token twice in the positions (wrong logits, no error)."""
+def test_mask_with_2s_is_refused(models):
+    """A mask of 2s would count every token twice in the positions (wrong logits without an error): refused."""
     x = ids(1, 5)
     with pytest.raises(ValueError, match="`attention_mask` must be 0/1 values"):
         models["lm"](input_ids=x, attention_mask=2 * ones(1, 5))
