@@ -137,6 +137,11 @@ def _zero_isolated(mask: AttentionMask, out, weights):
     return out, (None if weights is None else weights * mask.row_valid.to(weights.dtype))
 
 
+def _takes_block_mask(attention_interface) -> bool:
+    """Whether an attention function is FlexAttention's, which takes the BlockMask and skips masked blocks itself."""
+    return attention_interface is ALL_ATTENTION_FUNCTIONS.get("flex_attention")
+
+
 class SensoryAttention(nn.Module):
     """Standard multi-head self-attention (GQA) over the Transformers attention interface.
 
@@ -171,11 +176,11 @@ class SensoryAttention(nn.Module):
         if not output_attentions:  # fused kernels do not return weights
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                         eager_attention_forward)
-        if mask.receiver_blocks is not None and not output_attentions and mask.block_mask is None:
-            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph)
-            out = torch.cat([self._attend(attention_interface, query[:, :, q0:q1], key[:, :, kv0:kv1],
-                                          value[:, :, kv0:kv1], mask.block(q0, q1, kv0, kv1), **kwargs)[0]
-                             for q0, q1, kv0, kv1 in mask.receiver_blocks], dim=1)
+        if mask.receiver_blocks is not None and not _takes_block_mask(attention_interface) and not output_attentions:
+            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph;
+            # FlexAttention skips them with its BlockMask)
+            out = mask.by_receiver_blocks(lambda q0, q1, kv0, kv1, block: self._attend(
+                attention_interface, query[:, :, q0:q1], key[:, :, kv0:kv1], value[:, :, kv0:kv1], block, **kwargs)[0])
             weights = None
         else:
             out, weights = self._attend(attention_interface, query, key, value, mask, **kwargs)
@@ -197,8 +202,10 @@ class SensoryAttention(nn.Module):
         key, value = key[:, :, :senders], value[:, :, :senders]
         if attention_interface is eager_attention_forward:
             attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
-        else:
-            attention_mask = mask.block_mask if mask.block_mask is not None else mask.mask
+        elif mask.block_mask is not None and _takes_block_mask(attention_interface):
+            attention_mask = mask.block_mask
+        else:  # (a BlockMask may be there for FlexAttention relational heads beside these sensory heads)
+            attention_mask = mask.mask
         out, weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling,
             dropout=self.attention_dropout if self.training else 0.0, is_causal=mask.is_causal, **kwargs,
@@ -266,10 +273,9 @@ class RelationalAttention(nn.Module):
         if mask.receiver_blocks is not None and backend != "flex_attention" and not (
                 output_attentions or self.relative_symbols):
             # each block of receivers against the senders it may see (a sliding window, a block-sparse graph)
-            messages = torch.cat([
-                self._attend(backend, query[:, :, q0:q1], key[:, :, kv0:kv1], symbol_values[:, :, kv0:kv1],
-                             relation_queries[:, q0:q1], relation_keys[:, kv0:kv1], mask.block(q0, q1, kv0, kv1))[0]
-                for q0, q1, kv0, kv1 in mask.receiver_blocks], dim=1)
+            messages = mask.by_receiver_blocks(lambda q0, q1, kv0, kv1, block: self._attend(
+                backend, query[:, :, q0:q1], key[:, :, kv0:kv1], symbol_values[:, :, kv0:kv1],
+                relation_queries[:, q0:q1], relation_keys[:, kv0:kv1], block)[0])
             weights = relations = None
         else:
             messages, weights, relations = self._attend(backend, query, key, symbol_values, relation_queries,

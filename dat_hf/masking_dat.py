@@ -49,6 +49,12 @@ class AttentionMask(NamedTuple):
         row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
         return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 
+    def by_receiver_blocks(self, attend) -> torch.Tensor:
+        """`attend(q0, q1, kv0, kv1, block)` for each of `receiver_blocks` (`block` = `self.block(q0, q1, kv0, kv1)`),
+        each output `[b, q1 - q0, ...]`, concatenated over the receivers."""
+        return torch.cat([attend(q0, q1, kv0, kv1, self.block(q0, q1, kv0, kv1))
+                          for q0, q1, kv0, kv1 in self.receiver_blocks], dim=1)
+
     def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None):
         """The mask of receivers [start, end) (default: all) as an explicit tensor for code that forms its own scores:
         bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked."""

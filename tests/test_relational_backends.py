@@ -317,6 +317,17 @@ def test_flex_attention_selection():
         assert_close(model(x).logits, expected, atol=1e-5)
 
 
+def test_flex_attention_relational_heads_beside_sdpa_sensory_heads():
+    """Only the relational heads on FlexAttention: the sensory heads (sdpa) take the dense mask, not the BlockMask."""
+    model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=3)).eval()
+    x = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        expected = model(x).logits
+        model.config.relational_attn_implementation = "flex_attention"
+        assert_close(model(x).logits, expected, atol=1e-5)
+        assert backends_used(model) == {"flex_attention"}
+
+
 def test_explicit_choice_and_its_errors():
     model = DATForCausalLM(tiny_config(relational_attn_implementation="sdpa")).eval()
     x = torch.randint(0, 97, (2, 9))
