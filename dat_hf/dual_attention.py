@@ -179,8 +179,8 @@ class SensoryAttention(nn.Module):
         if mask.receiver_blocks is not None and not _takes_block_mask(attention_interface) and not output_attentions:
             # each block of receivers against the senders it may see (a sliding window, a block-sparse graph;
             # FlexAttention skips them with its BlockMask)
-            out = mask.by_receiver_blocks(lambda q0, q1, kv0, kv1, block: self._attend(
-                attention_interface, query[:, :, q0:q1], key[:, :, kv0:kv1], value[:, :, kv0:kv1], block, **kwargs)[0])
+            out = mask.by_receiver_blocks(lambda block, receivers, senders: self._attend(
+                attention_interface, *receivers, *senders, block, **kwargs)[0], [(query, 2)], [(key, 2), (value, 2)])
             weights = None
         else:
             out, weights = self._attend(attention_interface, query, key, value, mask, **kwargs)
@@ -273,9 +273,13 @@ class RelationalAttention(nn.Module):
         if mask.receiver_blocks is not None and backend != "flex_attention" and not (
                 output_attentions or self.relative_symbols):
             # each block of receivers against the senders it may see (a sliding window, a block-sparse graph)
-            messages = mask.by_receiver_blocks(lambda q0, q1, kv0, kv1, block: self._attend(
-                backend, query[:, :, q0:q1], key[:, :, kv0:kv1], symbol_values[:, :, kv0:kv1],
-                relation_queries[:, q0:q1], relation_keys[:, kv0:kv1], block)[0])
+            def attend_block(block, receivers, senders):
+                (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
+                return self._attend(backend, query_part, key_part, symbol_part, relation_query_part,
+                                    relation_key_part, block)[0]
+
+            messages = mask.by_receiver_blocks(attend_block, [(query, 2), (relation_queries, 1)],
+                                               [(key, 2), (symbol_values, 2), (relation_keys, 1)])
             weights = relations = None
         else:
             messages, weights, relations = self._attend(backend, query, key, symbol_values, relation_queries,

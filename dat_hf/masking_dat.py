@@ -10,55 +10,116 @@ attention": `full` (complete graph), `causal` (total order), `sliding_window` (t
 tokens, or explicit edges) and `graph` (an adjacency given with each input). Encoder-decoder cross-attention is the
 bipartite graph `bipartite` (every target token to every unpadded source token).
 
-Masks are built once per forward with Transformers' `masking_utils`, always in one dense form (None when nothing is
+Masks are built once per forward with Transformers' `masking_utils`, in one dense form (None when nothing is
 masked or plain causal order applies, else bool `[b, 1, q, kv]`; every backend and the eager functions take it),
 plus a `BlockMask` for FlexAttention when the model uses it (masked blocks are then skipped), together with
 `row_valid`, which marks receivers that have at least one sender. Rows without senders are unmasked in the dense
-form (no NaN) and their output is zeroed.
+form (no NaN) and their output is zeroed. Where a mask lets blocks of receivers skip senders, the attention runs
+block by block (`receiver_blocks`); a long sliding window then never forms its dense mask at all (`SlidingWindow`:
+the blocks' masks come from Transformers' index functions, O(n * window)).
 """
 
-from typing import NamedTuple
+import bisect
 
 import torch
 from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
-                                        create_causal_mask, create_sliding_window_causal_mask)
+                                        create_causal_mask, create_sliding_window_causal_mask,
+                                        sliding_window_bidirectional_mask_function,
+                                        sliding_window_causal_mask_function)
 
 
-class AttentionMask(NamedTuple):
+class _Cut(torch.autograd.Function):
+    """Ranges of one tensor along a dim, as views; backward writes each range's gradient into one zero tensor (plain
+    slicing would make a full-size zero-padded gradient per range, O(n^2 / block) for n / block ranges)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, ranges):
+        ctx.shape, ctx.dim, ctx.ranges = x.shape, dim, ranges
+        return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = None
+        for (lo, hi), g in zip(ctx.ranges, grads):
+            if g is not None:
+                grad = g.new_zeros(ctx.shape) if grad is None else grad
+                grad.narrow(ctx.dim, lo, hi - lo).add_(g)
+        return grad, None, None
+
+
+def cut(x: torch.Tensor, dim: int, ranges) -> tuple:
+    """`x` cut to each `(lo, hi)` of `ranges` along `dim` (views; one backward node for all of them)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Cut.apply(x, dim, list(ranges))
+    return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
+
+
+class AttentionMask:
     """One relational bias as the attention functions take it, plus which receivers have any sender.
 
     mask: None (no masking, or, when `is_causal`, plain causal order as Transformers' masks leave it implicit:
         receiver i sees senders j <= i, and a single receiver (a decoding step) sees every sender; senders past the
         receivers are then empty slots of a static cache, see `senders_in_view`), bool `[b|1, 1, q, kv]` (True =
-        attend) or, from a user's 4-D mask, additive float.
+        attend) or, from a user's 4-D mask, additive float. A sliding window over a long sequence keeps its index
+        arithmetic (`window`) instead: its blocks come from it and the dense mask is built only when asked for.
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
     is_causal: whether a None mask means causal.
     block_mask: the same graph as a FlexAttention `BlockMask` (only when the model uses `flex_attention`).
     receiver_blocks: None, or `((q0, q1, kv0, kv1), ...)`: blocks of receivers and the senders any of them may
         see, when attending block by block skips a good share of the work (a sliding window, a block-sparse graph).
+    window: None or a `SlidingWindow` (then `mask` is built from it on first use).
     """
 
-    mask: torch.Tensor | None
-    row_valid: torch.Tensor | None
-    is_causal: bool
-    block_mask: object = None
-    receiver_blocks: tuple | None = None
+    __slots__ = ("_mask", "row_valid", "is_causal", "block_mask", "receiver_blocks", "window")
+
+    def __init__(self, mask, row_valid, is_causal: bool, block_mask=None, receiver_blocks=None, window=None):
+        self._mask, self.row_valid, self.is_causal = mask, row_valid, is_causal
+        self.block_mask, self.receiver_blocks, self.window = block_mask, receiver_blocks, window
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        if self._mask is None and self.window is not None:
+            self._mask = self.window.allowed(0, self.window.q_len, 0, self.window.kv_len, self.row_valid)
+        return self._mask
+
+    @property
+    def masked(self) -> bool:
+        """Whether a mask is given beyond the implicit causal order (False: `mask` is None)."""
+        return self._mask is not None or self.window is not None
+
+    @property
+    def bool_or_none(self) -> bool:
+        """Whether `mask` is None or bool `[b|1, 1, q, kv]` (what the compiled kernels take), known without building
+        a sliding window's dense mask."""
+        if self._mask is None:
+            return True
+        return self._mask.dtype == torch.bool and self._mask.dim() == 4 and self._mask.shape[1] == 1
 
     def block(self, q0: int, q1: int, kv0: int, kv1: int) -> "AttentionMask":
         """The mask of receivers [q0, q1) over senders [kv0, kv1) (explicit, so no implicit causal order)."""
         row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
+        if self._mask is None and self.window is not None:
+            return AttentionMask(self.window.allowed(q0, q1, kv0, kv1, row_valid), row_valid, False)
         return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 
-    def by_receiver_blocks(self, attend) -> torch.Tensor:
-        """`attend(q0, q1, kv0, kv1, block)` for each of `receiver_blocks` (`block` = `self.block(q0, q1, kv0, kv1)`),
-        each output `[b, q1 - q0, ...]`, concatenated over the receivers."""
-        return torch.cat([attend(q0, q1, kv0, kv1, self.block(q0, q1, kv0, kv1))
-                          for q0, q1, kv0, kv1 in self.receiver_blocks], dim=1)
+    def by_receiver_blocks(self, attend, receivers, senders) -> torch.Tensor:
+        """`attend(block, receiver_parts, sender_parts)` for each of `receiver_blocks` (q0, q1, kv0, kv1), where
+        `block` = `self.block(q0, q1, kv0, kv1)` and the parts are the `(tensor, dim)` pairs of `receivers` cut to
+        [q0, q1) and of `senders` cut to [kv0, kv1) along `dim`; each output `[b, q1 - q0, ...]`, concatenated over
+        the receivers."""
+        blocks = self.receiver_blocks
+        receiver_parts = [cut(t, dim, [(q0, q1) for q0, q1, _, _ in blocks]) for t, dim in receivers]
+        sender_parts = [cut(t, dim, [(kv0, kv1) for _, _, kv0, kv1 in blocks]) for t, dim in senders]
+        return torch.cat([attend(self.block(*blocks[i]), [parts[i] for parts in receiver_parts],
+                                 [parts[i] for parts in sender_parts]) for i in range(len(blocks))], dim=1)
 
     def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None):
         """The mask of receivers [start, end) (default: all) as an explicit tensor for code that forms its own scores:
         bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked."""
         end = q_len if end is None else end
+        if self._mask is None and self.window is not None:
+            return self.window.allowed(start, end, 0, kv_len, None if self.row_valid is None else
+                                       self.row_valid[..., start:end, :])
         if self.mask is not None:
             return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
         if not self.is_causal or q_len == 1:
@@ -69,7 +130,7 @@ class AttentionMask(NamedTuple):
     def senders_in_view(self, q_len: int, kv_len: int) -> int:
         """How many senders (from the first) any receiver can see: `q_len` for an implicit causal mask over more
         senders (a prefill into a static cache, whose later slots are empty), else `kv_len`."""
-        return q_len if self.mask is None and self.is_causal and 1 < q_len < kv_len else kv_len
+        return q_len if not self.masked and self.is_causal and 1 < q_len < kv_len else kv_len
 
 
 def _token_positions(attention_mask):
@@ -153,6 +214,87 @@ def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
     return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
 
 
+class SlidingWindow:
+    """A sliding window (Transformers' index functions: `window` senders up to the receiver itself, or `|i - j| <=
+    window` when two-sided) over the receivers and senders of one forward without a cache, with an optional 2-D
+    padding mask `[b, kv]`: any block of its mask, its receiver blocks and its isolated receivers come from index
+    arithmetic in O(n * window), never from the dense `n x n` mask."""
+
+    def __init__(self, window: int, two_sided: bool, padding: torch.Tensor | None, q_len: int, kv_len: int, device):
+        self.window, self.two_sided, self.padding = window, two_sided, padding
+        self.q_len, self.kv_len, self.device = q_len, kv_len, device
+        make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
+        self.function = make(window)
+
+    def senders(self, q0: int, q1: int) -> tuple[int, int]:
+        """The range [kv0, kv1) of senders that receivers [q0, q1) may see (before padding)."""
+        if self.two_sided:
+            return max(0, q0 - self.window), min(self.kv_len, q1 + self.window)
+        return max(0, q0 - self.window + 1), min(self.kv_len, q1)
+
+    def allowed(self, q0: int, q1: int, kv0: int, kv1: int, row_valid=None) -> torch.Tensor:
+        """bool `[b|1, 1, q1 - q0, kv1 - kv0]` (True = attend); receivers where `row_valid` `[b, 1, q1 - q0, 1]` is
+        False attend everywhere (their output is zeroed)."""
+        q = torch.arange(q0, q1, device=self.device)[:, None]
+        kv = torch.arange(kv0, kv1, device=self.device)[None, :]
+        allowed = self.function(None, None, q, kv)[None, None]
+        if self.padding is not None:
+            allowed = allowed & self.padding[:, None, None, kv0:kv1]
+        return allowed if row_valid is None else allowed | ~row_valid
+
+    def receiver_blocks(self) -> tuple | None:
+        """As `_receiver_blocks` of the dense mask: blocks of `RECEIVER_BLOCK` receivers with the senders any of them
+        may see (padding narrows them), or None when that would not skip `MIN_SKIPPED_SHARE` of the work."""
+        blocks = []
+        present = None if self.padding is None else self.padding.any(0).nonzero().flatten().tolist()
+        for q0 in range(0, self.q_len, RECEIVER_BLOCK):
+            q1 = min(self.q_len, q0 + RECEIVER_BLOCK)
+            lo, hi = self.senders(q0, q1)
+            if present is not None:  # the first and last sender of the range that is a token in some row
+                first, last = bisect.bisect_left(present, lo), bisect.bisect_left(present, hi) - 1
+                if first <= last:
+                    lo, hi = present[first], present[last] + 1
+            blocks.append((q0, q1, lo, hi))
+        pairs = sum((q1 - q0) * (hi - lo) for q0, q1, lo, hi in blocks)
+        plain = self.q_len * self.kv_len - (0 if self.two_sided else self.q_len * (self.q_len - 1) // 2)
+        return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
+
+    def row_valid(self) -> torch.Tensor | None:
+        """bool `[b, 1, q, 1]`: receivers with at least one unpadded sender in their window; None if all have one."""
+        if self.padding is None:
+            return None
+        seen = torch.nn.functional.pad(self.padding.long().cumsum(-1), (1, 0))  # [b, kv + 1]: tokens before index
+        i = torch.arange(self.q_len, device=self.device)
+        if self.two_sided:
+            lo, hi = (i - self.window).clamp(min=0), (i + self.window + 1).clamp(max=self.kv_len)
+        else:
+            lo, hi = (i - self.window + 1).clamp(min=0), i + 1
+        valid = (seen[:, hi] - seen[:, lo] > 0)[:, None, :, None]
+        return None if bool(valid.all()) else valid
+
+
+def _sliding_window_without_dense_mask(window: int, two_sided: bool, config, inputs_embeds, attention_mask,
+                                       past_key_values, position_ids) -> AttentionMask | None:
+    """A long sliding window of one forward without cache content, as a `SlidingWindow` (no `n x n` mask), when its
+    receiver blocks skip enough work; None where Transformers' mask builder must decide (a cache with tokens,
+    packed sequences told by `position_ids`, a 4-D mask, FlexAttention's BlockMask, `torch.compile`)."""
+    q_len = inputs_embeds.shape[1]
+    if q_len < 2 * RECEIVER_BLOCK or torch.compiler.is_compiling() or uses_flex_attention(config):
+        return None
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != q_len):
+        return None
+    if past_key_values is not None and (getattr(past_key_values, "is_compileable", False)
+                                        or past_key_values.get_seq_length() > 0):
+        return None
+    if position_ids is not None and attention_mask is None and past_key_values is None and not two_sided:
+        return None  # (Transformers reads packed sequences from the positions)
+    window_mask = SlidingWindow(window, two_sided, attention_mask, q_len, q_len, inputs_embeds.device)
+    blocks = window_mask.receiver_blocks()
+    if blocks is None:
+        return None
+    return AttentionMask(None, window_mask.row_valid(), not two_sided, receiver_blocks=blocks, window=window_mask)
+
+
 def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None) -> AttentionMask:
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
@@ -216,6 +358,10 @@ def build_attention_mask(
         two_sided = bias == "sliding_window_bidirectional"
         create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
         window = config.sliding_window_size + (0 if two_sided else 1)
+        blockwise = _sliding_window_without_dense_mask(window, two_sided, config, inputs_embeds, attention_mask,
+                                                       past_key_values, position_ids)
+        if blockwise is not None:
+            return blockwise
         masks = _both_formats(create, config, window, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               past_key_values=past_key_values, **({} if two_sided else {"position_ids": position_ids}))
         return _with_row_validity(*masks[:1], is_causal=not two_sided, block_mask=masks[1])
@@ -267,5 +413,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=N
     }
 
 
-__all__ = ["AttentionMask", "build_attention_mask", "prebuilt_masks", "build_cross_attention_mask", "build_masks",
+__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "prebuilt_masks", "build_cross_attention_mask", "build_masks",
            "check_graph_adjacency"]

@@ -197,7 +197,7 @@ def _supports_flex(call: RelationalCall) -> str | None:
         return "flex_attention has no backward on CPU in PyTorch"
     if call.device == "cpu" and call.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return "flex_attention on CPU runs float32, float16 or bfloat16"
-    if call.mask.block_mask is None and (call.mask.mask is not None or call.mask.is_causal):
+    if call.mask.block_mask is None and (call.mask.masked or call.mask.is_causal):
         return "the masks were built without a BlockMask (set attn_implementation='flex_attention')"
     return None
 

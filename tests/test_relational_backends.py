@@ -142,7 +142,7 @@ def with_block_mask(mask: AttentionMask, allowed, b, q_len, kv_len):
         return mask
     dense = allowed.expand(b, 1, q_len, kv_len)
     block = create_block_mask(lambda n, h, i, j: dense[n, 0, i, j], b, None, q_len, kv_len, device="cpu")
-    return mask._replace(block_mask=block)
+    return AttentionMask(mask.mask, mask.row_valid, mask.is_causal, block)
 
 
 CASES = {
@@ -473,3 +473,64 @@ def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
         assert_close(blocked[0], whole[0], atol=1e-5, what=f"{backend} logits")
         for g, e in zip(blocked[1], whole[1]):
             assert_close(g, e, atol=1e-5, rtol=1e-4, what=f"{backend} gradient")
+
+
+PADDINGS = {"none": None, "left": ((0, 0, 300), (1, 0, 7)), "right": ((0, -300, None), (2, -5, None)),
+            "middle": ((0, 100, 500),)}
+
+
+@pytest.mark.parametrize("padding", sorted(PADDINGS))
+@pytest.mark.parametrize("bias, window", [("sliding_window", 40), ("sliding_window", 100),
+                                          ("sliding_window_bidirectional", 40), ("sliding_window_bidirectional", 255)])
+def test_long_sliding_window_masks_come_from_index_arithmetic(monkeypatch, bias, window, padding):
+    """A long sliding window keeps its index arithmetic (`SlidingWindow`): its receiver blocks, isolated receivers,
+    every block's mask and the dense mask (built only on request) equal those read from Transformers' dense mask."""
+    import dat_hf.masking_dat as masking_dat
+
+    config = tiny_config(relational_bias="sliding_window", sliding_window_size=window, max_position_embeddings=2048)
+    b, n, two_sided = 3, 1100, bias == "sliding_window_bidirectional"
+    attention_mask = None
+    if PADDINGS[padding] is not None:
+        attention_mask = torch.ones(b, n, dtype=torch.bool)
+        for row, start, stop in PADDINGS[padding]:
+            attention_mask[row, start:stop] = False
+    inputs_embeds = torch.zeros(b, n, 32)
+    arithmetic = masking_dat.build_attention_mask(bias, config, inputs_embeds, attention_mask, causal=not two_sided)
+    monkeypatch.setattr(masking_dat, "_sliding_window_without_dense_mask", lambda *args, **kwargs: None)
+    dense = masking_dat.build_attention_mask(bias, config, inputs_embeds, attention_mask, causal=not two_sided)
+    assert arithmetic.window is not None and arithmetic._mask is None
+    assert arithmetic.receiver_blocks == dense.receiver_blocks is not None
+    assert arithmetic.is_causal == dense.is_causal
+    assert (arithmetic.row_valid is None) == (dense.row_valid is None)
+    assert padding != "none" or arithmetic.row_valid is None
+    if dense.row_valid is not None:
+        assert torch.equal(arithmetic.row_valid, dense.row_valid)
+    for block in arithmetic.receiver_blocks:
+        assert torch.equal(arithmetic.block(*block).mask.expand(b, -1, -1, -1),
+                           dense.block(*block).mask.expand(b, -1, -1, -1))
+    assert torch.equal(arithmetic.dense(n, n, "cpu", 300, 700).expand(b, -1, -1, -1),
+                       dense.dense(n, n, "cpu", 300, 700).expand(b, -1, -1, -1))
+    assert torch.equal(arithmetic.mask.expand(b, -1, -1, -1), dense.mask)
+
+
+def test_training_with_a_long_sliding_window_never_forms_the_dense_mask(monkeypatch):
+    """Forward and backward over 1100 left-padded tokens with a sliding window: Transformers' dense window mask is
+    never built, and no mask of more than one receiver block is formed (the step is O(n * window))."""
+    import dat_hf.masking_dat as masking_dat
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dense n x n sliding-window mask was built")
+
+    monkeypatch.setattr(masking_dat, "create_sliding_window_causal_mask", refuse)
+    shapes, allowed = [], masking_dat.SlidingWindow.allowed
+    monkeypatch.setattr(masking_dat.SlidingWindow, "allowed",
+                        lambda self, q0, q1, kv0, kv1, row_valid=None: shapes.append((q1 - q0, kv1 - kv0)) or allowed(
+                            self, q0, q1, kv0, kv1, row_valid))
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=40,
+                                       max_position_embeddings=2048)).train()
+    x = torch.randint(0, 97, (2, 1100))
+    attention_mask = torch.ones_like(x).index_fill_(1, torch.arange(7), 0)
+    model(input_ids=x, attention_mask=attention_mask, labels=x).loss.backward()
+    assert shapes and max(q for q, _ in shapes) <= masking_dat.RECEIVER_BLOCK
+    assert max(kv for _, kv in shapes) <= masking_dat.RECEIVER_BLOCK + 40

@@ -182,7 +182,7 @@ def test_decoding_step(padded):
     with torch.no_grad():
         expected, _, _ = eager_relational_attention(module, *inputs, mask, SCALING, RELATION_SCALING)
         module32 = Heads(h=4, h_kv=2, relation_proj=module.relation_proj.detach().float().to(DEVICE))
-        mask32 = mask._replace(mask=None if mask.mask is None else mask.mask.to(DEVICE))
+        mask32 = AttentionMask(None if mask.mask is None else mask.mask.to(DEVICE), None, True)
         got, _, _ = kernel.triton_relational_attention(module32, *(t.float().to(DEVICE) for t in inputs), mask32,
                                                        SCALING, RELATION_SCALING)
     assert got.shape == (b, 1, 4, 6)

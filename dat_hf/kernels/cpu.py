@@ -145,8 +145,7 @@ def supports_cpu(call: RelationalCall) -> str | None:
         return "the CPU kernel needs the identity relation activation and symbols per sender"
     if call.dropout > 0:
         return "the CPU kernel has no attention dropout"
-    mask = call.mask.mask
-    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
+    if not call.mask.bool_or_none:
         return "the CPU kernel takes no mask or a bool [b|1, 1, q|1, kv] one"
     if not load_cpu_kernel():
         return "the CPU kernel is not built (no C++ compiler, DAT_HF_CPU_KERNEL=0, or inside torch.compile)"

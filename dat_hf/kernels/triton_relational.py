@@ -523,8 +523,7 @@ def supports_triton(call: RelationalCall) -> str | None:
         return reason
     if call.dropout > 0:
         return "the Triton kernel has no attention dropout"
-    mask = call.mask.mask
-    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
+    if not call.mask.bool_or_none:
         return "the Triton kernel takes no mask or a bool [b|1, 1, q|1, kv] one"
     return None
 

@@ -143,6 +143,23 @@ inline int64_t visible_end(const Shapes& s, int64_t q0, int64_t m) {
   return s.causal ? std::min(s.N, s.offset + q0 + m) : s.N;
 }
 
+// the senders [start, end) that any receiver of the block (batch row b, receivers q0..q0+m) may see: up to the causal
+// end, narrowed by the mask to its first and last allowed sender (a band mask then costs its band, not every sender)
+inline std::pair<int64_t, int64_t> visible_range(const Shapes& s, int64_t b, int64_t q0, int64_t m) {
+  const int64_t end = visible_end(s, q0, m);
+  if (!s.mask) return {0, end};
+  int64_t first = end, last = -1;
+  for (int64_t i = 0; i < (s.mask_q ? m : 1); ++i) {
+    const bool* allowed = s.mask + b * s.mask_b + (q0 + i) * s.mask_q;
+    for (int64_t j = 0; j < first; ++j)
+      if (allowed[j]) { first = j; break; }
+    for (int64_t j = end - 1; j > last; --j)
+      if (allowed[j]) { last = j; break; }
+  }
+  if (last < first) return {0, end};  // (nothing visible: every score masked, as without narrowing)
+  return {first, last + 1};
+}
+
 // -inf above the causal diagonal and where the mask says no, inside a [m, kn] score block of batch row b starting at
 // (q0, k0), row stride ld
 inline void mask_block(const Shapes& s, int64_t b, float* S, int64_t ld, int64_t q0, int64_t m, int64_t k0,
@@ -216,12 +233,13 @@ struct FwdScratch {
 void forward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, HeadStrides qs, const float* K, HeadStrides ks,
                    const float* V, HeadStrides vs, const float* QR, RelStrides qrs, const float* KR, RelStrides krs,
                    float* Os, float* Or, float* L, FwdScratch& w) {
-  const int64_t m = std::min(kBlockQ, s.n - q0), end = visible_end(s, q0, m), G = s.H / s.Hkv;
+  const int64_t m = std::min(kBlockQ, s.n - q0), G = s.H / s.Hkv;
+  const auto [start, end] = visible_range(s, b, q0, m);
   std::fill(w.acc_sym.begin(), w.acc_sym.end(), 0.f);
   std::fill(w.acc_rel.begin(), w.acc_rel.end(), 0.f);
   std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
-  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
+  for (int64_t k0 = start; k0 < end; k0 += kBlockK) {
     const int64_t kn = std::min(kBlockK, end - k0);
     for (int64_t h = 0; h < s.H; ++h) {  // S_h = scaling Q_h K_h^T
       float* S = w.S.data() + h * kBlockQ * kBlockK;
@@ -326,7 +344,8 @@ void backward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, Head
                     RelStrides krs, const float* Os, const float* Or, const float* L, const float* Gs, const float* Gr,
                     Grads& g, int64_t gb, BwdScratch& w) {
   // gb: batch index inside the key-side gradient buffers (0 for per-thread buffers of one row)
-  const int64_t m = std::min(kBlockQ, s.n - q0), end = visible_end(s, q0, m), G = s.H / s.Hkv;
+  const int64_t m = std::min(kBlockQ, s.n - q0), G = s.H / s.Hkv;
+  const auto [start, end] = visible_range(s, b, q0, m);
   // D[h, i] = sum_j P dP = <dO_sym, O_sym> + <dO_rel, O_rel>
   for (int64_t h = 0; h < s.H; ++h)
     for (int64_t i = 0; i < m; ++i) {
@@ -339,7 +358,7 @@ void backward_block(const Shapes& s, int64_t b, int64_t q0, const float* Q, Head
   const int64_t gs_t = s.H * s.d, gr_t = s.H * s.R;  // row strides of dO_sym [b, n, h, d], dO_rel [b, n, h, R]
   const float* gs0 = Gs + (b * s.n + q0) * gs_t;
   const float* gr0 = Gr + (b * s.n + q0) * gr_t;
-  for (int64_t k0 = 0; k0 < end; k0 += kBlockK) {
+  for (int64_t k0 = start; k0 < end; k0 += kBlockK) {
     const int64_t kn = std::min(kBlockK, end - k0);
     for (int64_t h = 0; h < s.H; ++h) {
       float* P = w.P.data() + h * kBlockQ * kBlockK;
