@@ -5,6 +5,7 @@ and the authors' reference (`dual-attention`, converted weights).
     python scripts/benchmark.py train --seq 1024 2048 4096 --repeats 5
     python scripts/benchmark.py generate --prompt 1024 --new-tokens 512 --repeats 3
     python scripts/benchmark.py generate --prompt 1024 --cache static --compile --impls dat_hf llama
+    python scripts/benchmark.py generate --prompt 1024 --compile --compile-options cpp_wrapper=True --skip-guards
     python scripts/benchmark.py train --preset dat-343m --layers 2 --batch 1 --seq 1024 4096 --impls dat_hf llama
     python scripts/benchmark.py train --relational-bias sliding_window --window 256 --seq 2048 8192 --impls dat_hf
     python scripts/benchmark.py train --device cuda --dtype bf16 --preset dat-343m --seq 1024 2048 4096 8192
@@ -236,6 +237,44 @@ def _step_clock(device):
     return StepClock()
 
 
+def _forward_clock(model, device):
+    """Times the model forward of every decoding step inside `generate` (the compiled call, or `__call__` when eager):
+    `times` gets the seconds of each call, after a device sync. What a step takes beyond it is `generate`'s own loop
+    (inputs, masks, logits processors, stopping criteria)."""
+    times = []
+
+    def timed(call):
+        def forward(*args, **kwargs):
+            device.sync()
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
+            device.sync()
+            times.append(time.perf_counter() - start)
+            return out
+
+        return forward
+
+    if hasattr(model, "_compiled_call"):  # made by the warm-up; `generate` takes it while the CompileConfig is the same
+        model._compiled_call = timed(model._compiled_call)
+    else:  # `generate` decodes through `self.__call__` (the prefill calls the model directly)
+        model.__call__ = timed(model.__call__)
+    return times
+
+
+def compile_options(pairs):
+    """`KEY=VALUE` strings -> inductor options (`cpp_wrapper=True`: VALUE read as a Python literal, else a string)."""
+    import ast
+
+    options = {}
+    for pair in pairs or []:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
 def worker_generate(args):
     import torch
 
@@ -252,7 +291,10 @@ def worker_generate(args):
     if args.compile:
         from transformers import CompileConfig
 
-        compile_config = CompileConfig(fullgraph=True, dynamic=False)
+        options = compile_options(args.compile_options)
+        # (torch.compile takes a mode or options, not both)
+        compile_config = CompileConfig(fullgraph=True, dynamic=False, **({"mode": None, "options": options}
+                                                                          if options else {}))
         compile_config._compile_all_devices = True  # (Transformers compiles on accelerators only by default)
         kwargs.update(cache_implementation="static", compile_config=compile_config)
 
@@ -270,17 +312,29 @@ def worker_generate(args):
                        logits_processor=[clock], **kwargs)
         return start, clock.times
 
+    import contextlib
+
+    skip_guards = args.skip_guards and args.compile
     with torch.no_grad():
-        generate(4)  # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs
-        start, times = generate(args.new_tokens)
+        # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs; without guards,
+        # the warm-up compiles for the timed run's cache (its length is the generation's)
+        generate(args.new_tokens if skip_guards else 4)
+        forward_times = _forward_clock(model, device) if args.impl != "reference" else []
+        # (set_stance takes effect when called: only after the warm-up) Dynamo runs the compiled step unguarded
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip_guards else (
+                contextlib.nullcontext()):
+            start, times = generate(args.new_tokens)
+    forward = None
     if len(times) > 1:  # Transformers models: every step timed
         steps = [b - a for a, b in zip(times, times[1:])]
         decode, prefill = statistics.median(steps), times[0] - start
+        forward = statistics.median(forward_times[-len(steps):]) if len(forward_times) >= len(steps) else None
     else:  # the reference: its whole run, less a prefill timed on its own
         first_start, first = generate(1)
         prefill = first[0] - first_start
         decode = max(times[0] - start - prefill, 0) / max(1, args.new_tokens - 1) or None
     print(json.dumps({"decode_ms_per_token": None if decode is None else 1000 * decode,
+                      "forward_ms_per_token": None if forward is None else 1000 * forward,
                       "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
                       "relational_backend": relational_backend(model)}))
 
@@ -292,6 +346,9 @@ def run_worker(mode, impl, args, **extra):
             continue
         if isinstance(value, bool):
             cmd += [f"--{key.replace('_', '-')}"] if value else []
+            continue
+        if isinstance(value, list):
+            cmd += [f"--{key.replace('_', '-')}", *map(str, value)] if value else []
             continue
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     for key in ("seq", "prompt"):
@@ -395,21 +452,29 @@ def main_train(args):
 
 
 def main_generate(args):
-    table = measure("generate", args, args.prompt, "prompt", ("decode_ms_per_token", "ms_per_token", "prefill_s"))
+    table = measure("generate", args, args.prompt, "prompt",
+                    ("decode_ms_per_token", "forward_ms_per_token", "ms_per_token", "prefill_s"))
+    compiled = ""
+    if args.compile:
+        compiled = "compiled" + (f" with {' '.join(args.compile_options)}" if args.compile_options else "") + (
+            ", guards skipped" if args.skip_guards else "") + ", "
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
-          f"{args.dtype}, {'compiled, ' if args.compile else ''}{args.cache if not args.compile else 'static'} cache); "
-          "decode = median ms per step after the prompt, with prompt = total time / new tokens")
+          f"{args.dtype}, {compiled}{args.cache if not args.compile else 'static'} cache); decode = median ms per step "
+          "after the prompt, forward = median ms of the model forward alone in those steps (the rest of a step is "
+          "generate's loop), with prompt = total time / new tokens")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
     others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
-    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'with prompt':>12} {'prefill s':>10}"
-          + "".join(f" {'decode/' + o:>19}" for o in others))
+    print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'forward ms':>11} {'with prompt':>12} {'prefill s':>10}"
+          + "".join(f" {'decode/' + o:>19}" for o in others) + "".join(f" {'forward/' + o:>19}" for o in others))
     for prompt, row in table.items():
         for impl, r in row.items():
             def cell(value, fmt):
                 return format(value, fmt) if value else "-"
             print(f"{prompt:>7} {impl:>10} {cell(r['decode_ms_per_token'], '.2f'):>10} "
+                  f"{cell(r['forward_ms_per_token'], '.2f'):>11} "
                   f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10}"
-                  + "".join(f" {ratio_cell(r['ratios'].get(f'decode_ms_per_token/{o}'), True):>19}" for o in others))
+                  + "".join(f" {ratio_cell(r['ratios'].get(f'decode_ms_per_token/{o}'), True):>19}" for o in others)
+                  + "".join(f" {ratio_cell(r['ratios'].get(f'forward_ms_per_token/{o}'), True):>19}" for o in others))
     return table
 
 
@@ -566,6 +631,12 @@ def parser():
     run.add_argument("--compile", action="store_true",
                      help="train: torch.compile every model (fullgraph for dat_hf and Llama); generate: compiled "
                           "decoding steps over a static cache")
+    run.add_argument("--compile-options", nargs="+", metavar="KEY=VALUE",
+                     help="generate --compile: inductor options of the CompileConfig of every model (instead of its "
+                          "mode), e.g. cpp_wrapper=True")
+    run.add_argument("--skip-guards", action="store_true",
+                     help="generate --compile: time the decoding under torch.compiler.set_stance('default', "
+                          "skip_guard_eval_unsafe=True), after a warm-up generation of the same length")
     run.add_argument("--batch", type=int, default=4, help="train/parts: batch size")
     run.add_argument("--steps", type=int, default=2, help="train: timed steps after one warm-up step")
     run.add_argument("--repeats", type=int, default=1, help="repetitions; ratios are taken per repetition")

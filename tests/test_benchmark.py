@@ -51,7 +51,39 @@ def test_benchmark_generate_smoke(tmp_path):
         assert results[impl]["errors"] == [], results[impl]
         assert results[impl]["decode_ms_per_token"] > 0 and results[impl]["ms_per_token"] > 0, results[impl]
         assert results[impl]["prefill_s"] > 0
-    assert "decode/llama" in result.stdout
+    for impl in ("dat_hf", "llama"):  # the model forward alone, within the decoding step
+        assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
+    assert results["reference"]["forward_ms_per_token"] is None
+    assert "decode/llama" in result.stdout and "forward/llama" in result.stdout
+
+
+def test_benchmark_compiled_generate_options_smoke(tmp_path):
+    """`generate --compile` with inductor options (the C++ wrapper) and unguarded compiled steps runs end to end for
+    both models, and reports the forward alone beside the step."""
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "generate", "--impls", "dat_hf", "llama",
+           "--prompt", "6", "--new-tokens", "4", "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64",
+           "--max-len", "64", "--threads", "1", "--compile", "--compile-options", "cpp_wrapper=True", "--skip-guards",
+           "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "compiled with cpp_wrapper=True, guards skipped" in result.stdout
+    report = json.loads((tmp_path / "generate.json").read_text())
+    assert report["args"]["compile_options"] == ["cpp_wrapper=True"] and report["args"]["skip_guards"]
+    results = report["results"]["6"]
+    for impl in ("dat_hf", "llama"):
+        assert results[impl]["errors"] == [], results[impl]
+        assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
+
+
+def test_compile_options_parse_literals():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from benchmark import compile_options
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    assert compile_options(["cpp_wrapper=True", "cpp.threads=2", "cpp.simdlen=None", "mode=fast"]) == {
+        "cpp_wrapper": True, "cpp.threads": 2, "cpp.simdlen": None, "mode": "fast"}
+    assert compile_options(None) == {}
 
 
 def test_benchmark_bf16_options_smoke(tmp_path):
