@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+# glibc: never serve a block by its own mmap, never give freed memory back (every freed block is reused)
+HEAP_ONLY_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 IMPLS = ("dat_hf", "reference", "llama", "baseline", "dat_hf_causal")
 
 
@@ -217,7 +219,8 @@ def worker_train(args):
     peak = device.memory_gib()
     # net = what training added on top of the process after the model was built (activations, gradients, AdamW)
     print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base,
-                      "relational_backend": relational_backend(model)}))
+                      "relational_backend": relational_backend(model),
+                      "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}))
 
 
 def _step_clock(device):
@@ -357,6 +360,7 @@ def run_worker(mode, impl, args, **extra):
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.mmap_threshold:  # glibc then maps every larger block on its own and unmaps it when freed
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    env.update(HEAP_ONLY_MALLOC if args.malloc == "heap" else {})
     if impl == "baseline":  # dat_hf imported from another checkout
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(args.baseline), env.get("PYTHONPATH")]))
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -431,7 +435,9 @@ def main_train(args):
           f"{args.threads} threads, {args.device} {args.dtype}" + (", torch.compile" if args.compile else "")
           + (f", preset {args.preset}" if args.preset else "") + f", relational bias {args.relational_bias}"
           + (f" {args.window}" if args.relational_bias != "causal" else "")
-          + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else ""))
+          + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "")
+          + (", heap-only malloc (" + " ".join(f"{k}={v}" for k, v in HEAP_ONLY_MALLOC.items()) + ")"
+             if args.malloc == "heap" else ""))
     print("times and memory: medians over repetitions; ratios: median [min-max] of the per-repetition ratios; "
           "flops: the FLOP model's dat_hf / llama for the relational backend that ran")
     others = [o for o in ("reference", "llama", "baseline", "dat_hf_causal") if o in args.impls]
@@ -649,6 +655,9 @@ def parser():
     run.add_argument("--mmap-threshold", type=int, default=0,
                      help="fixed glibc mmap threshold in bytes for every worker (e.g. 131072): peak RSS then follows the "
                           "live tensors instead of the allocator's heap, which by default keeps freed blocks mapped")
+    run.add_argument("--malloc", choices=["default", "heap"], default="default",
+                     help="heap: glibc keeps freed blocks for reuse, as a caching allocator (jemalloc, tcmalloc) "
+                          "does, so large activations are not mapped and page-faulted again every step")
     p.add_argument("--out", default=None, help="folder for the JSON (and the PNG of `train`)")
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # (workers)
     return p

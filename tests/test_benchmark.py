@@ -1,6 +1,7 @@
 """The benchmark script runs end to end on a tiny model and reports every implementation (figures not asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,18 @@ def test_benchmark_train_smoke(tmp_path):
     ratio = results["dat_hf"]["ratios"]["time_s/llama"]
     assert ratio["pairs"] == [results["dat_hf"]["runs"][0]["time_s"] / results["llama"]["runs"][0]["time_s"]]
     assert (tmp_path / "train_scaling.png").stat().st_size > 0
+
+
+def test_benchmark_heap_only_malloc_reaches_the_workers(tmp_path):
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "train", "--impls", "dat_hf", "--seq", "32",
+           "--steps", "1", "--batch", "1", "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64",
+           "--max-len", "64", "--threads", "1", "--malloc", "heap", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "heap-only malloc (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736)" in result.stdout
+    run = json.loads((tmp_path / "train.json").read_text())["results"]["32"]["dat_hf"]["runs"][0]
+    assert run["malloc_env"] == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
 def test_pair_ratios_pair_repetitions_and_skip_missing_runs():
