@@ -316,17 +316,18 @@ class DATPreTrainedModel(PreTrainedModel):
             full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             tied = getattr(self, "all_tied_weights_keys", None) or {}
             kwargs["state_dict"] = {name: tensor for name, tensor in full.items() if name not in tied}
+        import torch.distributed as dist
+
         failure = None
         self.__class__ = own_class
         try:
-            self.save_pretrained(save_directory, *args, **kwargs)
+            if not gather or dist.get_rank() == 0:  # (the other ranks hold no weights after the gather)
+                self.save_pretrained(save_directory, *args, **kwargs)
         except Exception as error:
             failure = error
         finally:
             self.__class__ = sharded_class
         if gather:
-            import torch.distributed as dist
-
             status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
             dist.broadcast_object_list(status, src=0)  # the other ranks wait for rank 0's write
             if failure is None and status[0] is not None:
