@@ -241,6 +241,17 @@ def attentions_imply_relations(func):
     return wrapper
 
 
+def fsdp2_original_class(model):
+    """The model's own class if FSDP2's `fully_shard` has swapped it for its generated `FSDP<Class>`, else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    return type(model).__mro__[type(model)._orig_cls_mro_index]
+
+
 @auto_docstring
 class DATPreTrainedModel(PreTrainedModel):
     config: DATConfig
@@ -273,7 +284,13 @@ class DATPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, crash-safe (`atomic_save`: after a failure or a kill at any point the
         folder loads as the old model or the new one), with an `auto_map` covering every Auto class of the family
-        and the modeling files copied beside. Files other than the model's in the folder are kept."""
+        and the modeling files copied beside. Files other than the model's in the folder are kept.
+
+        A model sharded with FSDP2 (`fully_shard`) is saved by calling this on every rank: see
+        `_save_fully_sharded`."""
+        own_class = fsdp2_original_class(self)
+        if own_class is not None and not kwargs.get("distributed_checkpoint"):
+            return self._save_fully_sharded(own_class, save_directory, *args, **kwargs)
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self.auto_classes}
         save = super().save_pretrained
         is_main_process = args[0] if args else kwargs.get("is_main_process", True)
@@ -281,6 +298,42 @@ class DATPreTrainedModel(PreTrainedModel):
                 or getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process)):
             return save(save_directory, *args, **kwargs)  # uploads, adapters, other ranks: not one whole model here
         save_atomically(save_directory, lambda staging: save(staging, *args, **kwargs))
+
+    def _save_fully_sharded(self, own_class, save_directory, *args, **kwargs):
+        """Save an FSDP2 model as the unsharded model is saved, under its own class (`fully_shard` swaps it for a
+        generated `FSDP<Class>` defined in torch, whose name and file would go into `architectures`, `auto_map` and
+        the copied code). Without a `state_dict` this is a collective that every rank calls: the full weights are
+        gathered, rank 0 writes the folder (atomically) and every rank returns once it is complete, or raises if the
+        write failed. With a `state_dict` (gathered by the caller, e.g. Trainer) only the writing ranks call it."""
+        sharded_class = type(self)
+        gather = (len(args) < 2 and kwargs.get("state_dict") is None
+                  and getattr(self.config, "distributed_config", None) is None)  # else Transformers gathers
+        if gather:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # full CPU tensors on rank 0, {} elsewhere; the gathered copies of tied weights no longer share storage:
+            # only the source of each tied pair is kept, as without FSDP
+            full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            tied = getattr(self, "all_tied_weights_keys", None) or {}
+            kwargs["state_dict"] = {name: tensor for name, tensor in full.items() if name not in tied}
+        import torch.distributed as dist
+
+        failure = None
+        self.__class__ = own_class
+        try:
+            if not gather or dist.get_rank() == 0:  # (the other ranks hold no weights after the gather)
+                self.save_pretrained(save_directory, *args, **kwargs)
+        except Exception as error:
+            failure = error
+        finally:
+            self.__class__ = sharded_class
+        if gather:
+            status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+            dist.broadcast_object_list(status, src=0)  # the other ranks wait for rank 0's write
+            if failure is None and status[0] is not None:
+                raise RuntimeError(f"save_pretrained failed on rank 0: {status[0]}")
+        if failure is not None:
+            raise failure
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -1,0 +1,72 @@
+"""FSDP2 applied by hand, then `save_pretrained` outside Trainer (2 processes, gloo, CPU; run under torchrun).
+
+A tiny DATForCausalLM is sharded with `fully_shard` (each DAT block, then the root), trained one SGD step on a global
+batch of 4 sequences (2 per rank), and saved with `model.save_pretrained(<out>/model)` on the ranks given by `--save_on`
+(`all`: every rank, the supported usage; `0`: rank 0 only). Rank 0 also writes `<out>/reference.pt`: the full weights
+gathered by hand (`DTensor.full_tensor()`, every rank taking part) and the logits on fixed tokens of an unsharded copy
+of the model trained one step on the whole global batch."""
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dat_hf import DATConfig, DATForCausalLM
+
+PROBE_INPUT_IDS = torch.arange(2 * 16).reshape(2, 16) * 7 % 97  # fixed tokens for the logits check
+LR = 0.1
+
+
+def tiny_config():  # tests/conftest.py `tiny_config`
+    return DATConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2, num_relational_heads=2,
+                     intermediate_size=64, num_symbols=8, symbolic_attention_heads=2, max_position_embeddings=64,
+                     max_relative_position=8)
+
+
+def train_step(model, input_ids):
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--save_on", choices=["all", "0"], default="all")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config())  # same seed: the same initial weights on every rank
+    reference = copy.deepcopy(model) if rank == 0 else None
+    global_batch = torch.randint(0, 97, (2 * world_size, 16), generator=torch.Generator().manual_seed(1))
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    train_step(model, global_batch[2 * rank:2 * rank + 2])  # FSDP averages the gradients over the ranks
+
+    full = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective: every rank
+            for name, p in model.state_dict().items()}
+    if args.save_on == "all" or rank == 0:
+        model.save_pretrained(args.out / "model")
+    if rank == 0:
+        train_step(reference, global_batch)
+        with torch.no_grad():
+            logits = reference.eval()(input_ids=PROBE_INPUT_IDS).logits
+        torch.save({"weights": full, "input_ids": PROBE_INPUT_IDS, "logits": logits,
+                    "reference_weights": reference.state_dict()}, args.out / "reference.pt")
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"model_class": type(model).__name__}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
