@@ -516,6 +516,43 @@ def test_sliding_window_cached_generation(impl, case):
             assert max_diff(incremental[1, 2:], full[1, 2:]) < ATOL  # padded positions carry no meaning
 
 
+@pytest.mark.parametrize("encoder, bias", [(False, "sliding_window"), (True, "sliding_window_bidirectional")])
+def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, encoder, bias):
+    """A long sliding window attends block by block from index arithmetic, never forming the n x n mask:
+    the same outputs as through Transformers' dense mask, left-padded, in decoders and encoders; and in a decoder, a
+    long prompt run into an empty cache (that path) then continued token by token matches the full forward."""
+    import dat_hf.masking_dat as masking_dat
+
+    model = make_model(encoder=encoder, seed=3, relational_bias=bias, sliding_window_size=20,
+                       max_position_embeddings=2048, symbol_retrieval="symbolic_attention")
+    n = 1104
+    x = embeds(7, n)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, :5] = 0
+    built, without_dense = [], masking_dat._sliding_window_without_dense_mask
+    monkeypatch.setattr(masking_dat, "_sliding_window_without_dense_mask",
+                        lambda *args, **kwargs: built.append(without_dense(*args, **kwargs)) or built[-1])
+    with torch.no_grad():
+        blockwise = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
+        assert built and built[0].window is not None and built[0].receiver_blocks is not None
+        with monkeypatch.context() as patch:
+            patch.setattr(masking_dat, "_sliding_window_without_dense_mask", lambda *args, **kwargs: None)
+            dense = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
+        assert max_diff(blockwise[0], dense[0]) < ATOL and max_diff(blockwise[1, 5:], dense[1, 5:]) < ATOL
+        if encoder:
+            return
+        out = model(inputs_embeds=x[:, :1100], attention_mask=mask[:, :1100], use_cache=True)
+        assert built[-1].window is not None  # the prompt into the empty cache went block by block too
+        cache, parts = out.past_key_values, [out.last_hidden_state]
+        for i in range(1100, n):
+            out = model(inputs_embeds=x[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache,
+                        use_cache=True)
+            cache = out.past_key_values
+            parts.append(out.last_hidden_state)
+        incremental = torch.cat(parts, dim=1)
+        assert max_diff(incremental[0], blockwise[0]) < ATOL and max_diff(incremental[1, 5:], blockwise[1, 5:]) < ATOL
+
+
 # ---- masks built once per forward; per-head-type graphs -----------------------------------------------------------
 def test_masks_built_once_per_forward():
     """Each distinct bias is built once per forward (not once per layer or head type), in training and generation."""
