@@ -311,7 +311,7 @@ class DATPreTrainedModel(PreTrainedModel):
         if gather:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            # full CPU tensors on rank 0, {} elsewhere; the gathered copies of tied weights no longer share storage:
+            # full CPU tensors on rank 0, {} elsewhere; the gathered copies of tied weights do not share storage:
             # only the source of each tied pair is kept, as without FSDP
             full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             tied = getattr(self, "all_tied_weights_keys", None) or {}
