@@ -67,19 +67,26 @@ class AttentionMask:
     block_mask: the same graph as a FlexAttention `BlockMask` (only when the model uses `flex_attention`).
     receiver_blocks: None, or `((q0, q1, kv0, kv1), ...)`: blocks of receivers and the senders any of them may
         see, when attending block by block skips a good share of the work (a sliding window, a block-sparse graph).
-    window: None or a `SlidingWindow` (then `mask` is built from it on first use).
+    window: None or a `SlidingWindow` (then `mask` is built from it on first use, and each block's mask once per
+        forward for all layers).
     """
 
-    __slots__ = ("_mask", "row_valid", "is_causal", "block_mask", "receiver_blocks", "window")
+    __slots__ = ("_mask", "row_valid", "is_causal", "block_mask", "receiver_blocks", "window", "_window_blocks")
 
     def __init__(self, mask, row_valid, is_causal: bool, block_mask=None, receiver_blocks=None, window=None):
         self._mask, self.row_valid, self.is_causal = mask, row_valid, is_causal
         self.block_mask, self.receiver_blocks, self.window = block_mask, receiver_blocks, window
+        self._window_blocks = {}
+
+    def _from_window(self, q0: int, q1: int, kv0: int, kv1: int) -> torch.Tensor:
+        """The sliding window's bool mask of receivers [q0, q1) over senders [kv0, kv1), isolated receivers open."""
+        row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
+        return self.window.allowed(q0, q1, kv0, kv1, row_valid)
 
     @property
     def mask(self) -> torch.Tensor | None:
         if self._mask is None and self.window is not None:
-            self._mask = self.window.allowed(0, self.window.q_len, 0, self.window.kv_len, self.row_valid)
+            self._mask = self._from_window(0, self.window.length, 0, self.window.length)
         return self._mask
 
     @property
@@ -98,8 +105,11 @@ class AttentionMask:
     def block(self, q0: int, q1: int, kv0: int, kv1: int) -> "AttentionMask":
         """The mask of receivers [q0, q1) over senders [kv0, kv1) (explicit, so no implicit causal order)."""
         row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
-        if self._mask is None and self.window is not None:
-            return AttentionMask(self.window.allowed(q0, q1, kv0, kv1, row_valid), row_valid, False)
+        if self._mask is None and self.window is not None:  # (every layer's heads attend over the same blocks)
+            key = (q0, q1, kv0, kv1)
+            if key not in self._window_blocks:
+                self._window_blocks[key] = self._from_window(q0, q1, kv0, kv1)
+            return AttentionMask(self._window_blocks[key], row_valid, False)
         return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 
     def by_receiver_blocks(self, attend, receivers, senders) -> torch.Tensor:
@@ -118,8 +128,7 @@ class AttentionMask:
         bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked."""
         end = q_len if end is None else end
         if self._mask is None and self.window is not None:
-            return self.window.allowed(start, end, 0, kv_len, None if self.row_valid is None else
-                                       self.row_valid[..., start:end, :])
+            return self._from_window(start, end, 0, kv_len)
         if self.mask is not None:
             return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
         if not self.is_causal or q_len == 1:
@@ -209,6 +218,11 @@ def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
     last = kv_len - columns.flip(-1).int().argmax(-1)
     blocks = [(q0, min(q_len, q0 + RECEIVER_BLOCK), lo, hi)
               for q0, lo, hi in zip(range(0, q_len, RECEIVER_BLOCK), first.tolist(), last.tolist())]
+    return _if_skipping_enough(blocks, q_len, kv_len, is_causal)
+
+
+def _if_skipping_enough(blocks, q_len: int, kv_len: int, is_causal: bool) -> tuple | None:
+    """`blocks` as a tuple if they skip at least `MIN_SKIPPED_SHARE` of plain (causal or full) attention, else None."""
     pairs = sum((q1 - q0) * (hi - lo) for q0, q1, lo, hi in blocks)
     plain = q_len * kv_len - (q_len * (q_len - 1) // 2 if is_causal else 0)
     return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
@@ -216,21 +230,20 @@ def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
 
 class SlidingWindow:
     """A sliding window (Transformers' index functions: `window` senders up to the receiver itself, or `|i - j| <=
-    window` when two-sided) over the receivers and senders of one forward without a cache, with an optional 2-D
-    padding mask `[b, kv]`: any block of its mask, its receiver blocks and its isolated receivers come from index
-    arithmetic in O(n * window), never from the dense `n x n` mask."""
+    window` when two-sided) over the `length` tokens of one forward without a cache (receivers and senders alike),
+    with an optional 2-D padding mask `[b, length]`: any block of its mask, its receiver blocks and its isolated
+    receivers come from index arithmetic in O(n * window), never from the dense `n x n` mask."""
 
-    def __init__(self, window: int, two_sided: bool, padding: torch.Tensor | None, q_len: int, kv_len: int, device):
-        self.window, self.two_sided, self.padding = window, two_sided, padding
-        self.q_len, self.kv_len, self.device = q_len, kv_len, device
+    def __init__(self, window: int, two_sided: bool, padding: torch.Tensor | None, length: int, device):
+        self.window, self.two_sided, self.padding, self.length, self.device = window, two_sided, padding, length, device
         make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
         self.function = make(window)
 
     def senders(self, q0: int, q1: int) -> tuple[int, int]:
         """The range [kv0, kv1) of senders that receivers [q0, q1) may see (before padding)."""
         if self.two_sided:
-            return max(0, q0 - self.window), min(self.kv_len, q1 + self.window)
-        return max(0, q0 - self.window + 1), min(self.kv_len, q1)
+            return max(0, q0 - self.window), min(self.length, q1 + self.window)
+        return max(0, q0 - self.window + 1), min(self.length, q1)
 
     def allowed(self, q0: int, q1: int, kv0: int, kv1: int, row_valid=None) -> torch.Tensor:
         """bool `[b|1, 1, q1 - q0, kv1 - kv0]` (True = attend); receivers where `row_valid` `[b, 1, q1 - q0, 1]` is
@@ -247,26 +260,24 @@ class SlidingWindow:
         may see (padding narrows them), or None when that would not skip `MIN_SKIPPED_SHARE` of the work."""
         blocks = []
         present = None if self.padding is None else self.padding.any(0).nonzero().flatten().tolist()
-        for q0 in range(0, self.q_len, RECEIVER_BLOCK):
-            q1 = min(self.q_len, q0 + RECEIVER_BLOCK)
+        for q0 in range(0, self.length, RECEIVER_BLOCK):
+            q1 = min(self.length, q0 + RECEIVER_BLOCK)
             lo, hi = self.senders(q0, q1)
             if present is not None:  # the first and last sender of the range that is a token in some row
                 first, last = bisect.bisect_left(present, lo), bisect.bisect_left(present, hi) - 1
                 if first <= last:
                     lo, hi = present[first], present[last] + 1
             blocks.append((q0, q1, lo, hi))
-        pairs = sum((q1 - q0) * (hi - lo) for q0, q1, lo, hi in blocks)
-        plain = self.q_len * self.kv_len - (0 if self.two_sided else self.q_len * (self.q_len - 1) // 2)
-        return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
+        return _if_skipping_enough(blocks, self.length, self.length, not self.two_sided)
 
     def row_valid(self) -> torch.Tensor | None:
         """bool `[b, 1, q, 1]`: receivers with at least one unpadded sender in their window; None if all have one."""
         if self.padding is None:
             return None
         seen = torch.nn.functional.pad(self.padding.long().cumsum(-1), (1, 0))  # [b, kv + 1]: tokens before index
-        i = torch.arange(self.q_len, device=self.device)
+        i = torch.arange(self.length, device=self.device)
         if self.two_sided:
-            lo, hi = (i - self.window).clamp(min=0), (i + self.window + 1).clamp(max=self.kv_len)
+            lo, hi = (i - self.window).clamp(min=0), (i + self.window + 1).clamp(max=self.length)
         else:
             lo, hi = (i - self.window + 1).clamp(min=0), i + 1
         valid = (seen[:, hi] - seen[:, lo] > 0)[:, None, :, None]
@@ -288,7 +299,7 @@ def _sliding_window_without_dense_mask(window: int, two_sided: bool, config, inp
         return None
     if position_ids is not None and attention_mask is None and past_key_values is None and not two_sided:
         return None  # (Transformers reads packed sequences from the positions)
-    window_mask = SlidingWindow(window, two_sided, attention_mask, q_len, q_len, inputs_embeds.device)
+    window_mask = SlidingWindow(window, two_sided, attention_mask, q_len, inputs_embeds.device)
     blocks = window_mask.receiver_blocks()
     if blocks is None:
         return None
@@ -413,5 +424,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=N
     }
 
 
-__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "prebuilt_masks", "build_cross_attention_mask", "build_masks",
-           "check_graph_adjacency"]
+__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "prebuilt_masks", "build_cross_attention_mask",
+           "build_masks", "check_graph_adjacency"]

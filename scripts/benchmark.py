@@ -20,6 +20,7 @@ Prints a table of medians and ratios, writes JSON (every worker's figures too) a
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -315,8 +316,6 @@ def worker_generate(args):
                        logits_processor=[clock], **kwargs)
         return start, clock.times
 
-    import contextlib
-
     skip_guards = args.skip_guards and args.compile
     with torch.no_grad():
         # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs; without guards,
@@ -360,7 +359,8 @@ def run_worker(mode, impl, args, **extra):
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.mmap_threshold:  # glibc then maps every larger block on its own and unmaps it when freed
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    env.update(HEAP_ONLY_MALLOC if args.malloc == "heap" else {})
+    if args.malloc == "heap":
+        env.update(HEAP_ONLY_MALLOC)
     if impl == "baseline":  # dat_hf imported from another checkout
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(args.baseline), env.get("PYTHONPATH")]))
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -160,11 +160,10 @@ class FSDPModelSaveMixin:
     `auto_map` of the model's own class, remote code, tokenizer), which `from_pretrained` loads:
     - with `SHARDED_STATE_DICT`, `Trainer.save_model` writes nothing (checkpoints hold `torch.distributed.checkpoint`
       shards instead): outside checkpoints, the full state dict is gathered;
-    - the gathered copies of tied weights no longer share storage, so `save_pretrained` would store both: only the
+    - the gathered copies of tied weights do not share storage, so `save_pretrained` would store both: only the
       source of each tied pair (`all_tied_weights_keys`) is kept, as without FSDP;
-    - FSDP2's `fully_shard` swaps the model's class for a generated subclass `FSDP<Class>` defined in torch, which
-      `save_pretrained` would record in `auto_map`, copying torch's FSDP files beside the weights as remote code: the
-      model shows its own class while it is saved."""
+    - FSDP2's generated class `FSDP<Class>` is undone by the model's own `save_pretrained` (see
+      `DATPreTrainedModel._save_fully_sharded`)."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
@@ -180,18 +179,10 @@ class FSDPModelSaveMixin:
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if not self.is_fsdp_enabled:
             return super()._save(output_dir, state_dict)
-        from torch.distributed.fsdp import FSDPModule
-
         if state_dict:
             tied = getattr(self.model, "all_tied_weights_keys", {})  # {target: source}
             state_dict = {k: v for k, v in state_dict.items() if k not in tied}
-        fsdp_class = type(self.model)
-        if isinstance(self.model, FSDPModule):  # FSDP<Class>.__mro__: (FSDP<Class>, FSDPModule, Class, ...)
-            self.model.__class__ = fsdp_class.__mro__[fsdp_class._orig_cls_mro_index]
-        try:
-            super()._save(output_dir, state_dict)
-        finally:
-            self.model.__class__ = fsdp_class
+        super()._save(output_dir, state_dict)
 
 
 class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, Trainer):
