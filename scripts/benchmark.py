@@ -158,13 +158,16 @@ def flop_ratio(args, seq, backend, window=None):
 # ---- workers (one measurement per process) -----------------------------------------------------------------------
 class Device:
     """Where a worker runs: `sync()` before reading a clock; peak memory = max RSS on CPU, the allocator's peak on
-    CUDA; `autocast()` for `--dtype bf16` (fp32 weights, bf16 matmuls)."""
+    CUDA; `autocast()` for `--dtype bf16` (fp32 weights, bf16 matmuls); `attention()` around the model's calls, which
+    with `--sdpa-math forbid` (the default on CUDA) lets SDPA choose only fused kernels (flash, memory-efficient,
+    cuDNN): a call that only the math fallback (n x n scores in memory) could serve fails the worker and says so."""
 
     def __init__(self, args):
         import torch
 
         self.torch, self.name, self.bf16 = torch, args.device, args.dtype == "bf16"
         self.cuda = torch.device(args.device).type == "cuda"
+        self.fused_sdpa_only = (args.sdpa_math or ("forbid" if self.cuda else "allow")) == "forbid"
 
     def sync(self):
         if self.cuda:
@@ -183,6 +186,27 @@ class Device:
         if not self.bf16:
             return contextlib.nullcontext()
         return self.torch.autocast(self.torch.device(self.name).type, dtype=self.torch.bfloat16)
+
+    @contextlib.contextmanager
+    def attention(self):
+        if not self.fused_sdpa_only:
+            yield
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        try:
+            with sdpa_kernel(fused):
+                yield
+        except RuntimeError as error:
+            if "No available kernel" not in str(error):
+                raise
+            raise RuntimeError("scaled_dot_product_attention found no fused kernel for a call, and its math fallback is "
+                               f"forbidden (--sdpa-math forbid): {error}") from error
+
+    def record(self):
+        """What a worker reports about its device."""
+        return {"sdpa_math": "forbidden" if self.fused_sdpa_only else "allowed"}
 
 
 def _logits(impl, model, x):
@@ -208,7 +232,7 @@ def worker_train(args):
     for step in range(args.steps + 1):
         device.sync()
         start = time.perf_counter()
-        with device.autocast():
+        with device.attention(), device.autocast():
             logits = _logits(args.impl, model, x)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
@@ -220,7 +244,7 @@ def worker_train(args):
     peak = device.memory_gib()
     # net = what training added on top of the process after the model was built (activations, gradients, AdamW)
     print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base,
-                      "relational_backend": relational_backend(model),
+                      "relational_backend": relational_backend(model), **device.record(),
                       "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}))
 
 
@@ -317,7 +341,7 @@ def worker_generate(args):
         return start, clock.times
 
     skip_guards = args.skip_guards and args.compile
-    with torch.no_grad():
+    with torch.no_grad(), device.attention():
         # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs; without guards,
         # the warm-up compiles for the timed run's cache (its length is the generation's)
         generate(args.new_tokens if skip_guards else 4)
@@ -338,7 +362,7 @@ def worker_generate(args):
     print(json.dumps({"decode_ms_per_token": None if decode is None else 1000 * decode,
                       "forward_ms_per_token": None if forward is None else 1000 * forward,
                       "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
-                      "relational_backend": relational_backend(model)}))
+                      "relational_backend": relational_backend(model), **device.record()}))
 
 
 def run_worker(mode, impl, args, **extra):
@@ -367,6 +391,11 @@ def run_worker(mode, impl, args, **extra):
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def sdpa_note(args):
+    forbid = (args.sdpa_math or ("forbid" if args.device.startswith("cuda") else "allow")) == "forbid"
+    return ", SDPA fused kernels only (math fallback forbidden)" if forbid else ""
 
 
 def progress(message):
@@ -434,7 +463,7 @@ def main_train(args):
           f"layers, {config.num_sensory_heads}+{config.num_relational_heads} heads, ffn {config.intermediate_size}, "
           f"{args.threads} threads, {args.device} {args.dtype}" + (", torch.compile" if args.compile else "")
           + (f", preset {args.preset}" if args.preset else "") + f", relational bias {args.relational_bias}"
-          + (f" {args.window}" if args.relational_bias != "causal" else "")
+          + (f" {args.window}" if args.relational_bias != "causal" else "") + sdpa_note(args)
           + (f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "")
           + (", heap-only malloc (" + " ".join(f"{k}={v}" for k, v in HEAP_ONLY_MALLOC.items()) + ")"
              if args.malloc == "heap" else ""))
@@ -465,7 +494,8 @@ def main_generate(args):
         compiled = "compiled" + (f" with {' '.join(args.compile_options)}" if args.compile_options else "") + (
             ", guards skipped" if args.skip_guards else "") + ", "
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
-          f"{args.dtype}, {compiled}{args.cache if not args.compile else 'static'} cache); decode = median ms per step "
+          f"{args.dtype}, {compiled}{args.cache if not args.compile else 'static'} cache{sdpa_note(args)}); decode = "
+          "median ms per step "
           "after the prompt, forward = median ms of the model forward alone in those steps (the rest of a step is "
           "generate's loop), with prompt = total time / new tokens")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
@@ -648,6 +678,10 @@ def parser():
     run.add_argument("--repeats", type=int, default=1, help="repetitions; ratios are taken per repetition")
     run.add_argument("--threads", type=int, default=2, help="torch threads (and OMP_NUM_THREADS) of every worker")
     run.add_argument("--device", default="cpu", help="cpu or cuda[:i]; on CUDA peak memory is the allocator's peak")
+    run.add_argument("--sdpa-math", choices=["allow", "forbid"],
+                     help="forbid: scaled_dot_product_attention may use fused kernels only (flash, memory-efficient, "
+                          "cuDNN), and a call that needs its math fallback fails the run (default: forbid on CUDA, "
+                          "allow on CPU)")
     run.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                      help="bf16: train under autocast (fp32 weights), generate with bf16 weights")
     run.add_argument("--reference-max-seq", type=int, default=2048,

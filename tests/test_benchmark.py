@@ -100,24 +100,51 @@ def test_compile_options_parse_literals():
 
 
 def test_benchmark_bf16_options_smoke(tmp_path):
-    """`--dtype bf16` (autocast in training, bf16 weights in generation) runs end to end; on this CPU machine it stands
-    in for the `--device cuda --dtype bf16` run made on a GPU machine."""
+    """`--dtype bf16` (autocast in training, bf16 weights in generation) with SDPA's math fallback forbidden (the
+    default on CUDA) runs end to end; on this CPU machine it stands in for the `--device cuda --dtype bf16` run made on
+    a GPU machine (CPU's fused SDPA kernel is flash attention)."""
     common = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64", "--threads", "1",
-              "--impls", "dat_hf", "llama", "--device", "cpu", "--dtype", "bf16"]
+              "--impls", "dat_hf", "llama", "--device", "cpu", "--dtype", "bf16", "--sdpa-math", "forbid"]
     script = str(REPO / "scripts" / "benchmark.py")
     train = subprocess.run([sys.executable, script, "train", "--seq", "32", "--steps", "1", "--batch", "1", *common,
                             "--out", str(tmp_path / "train")], capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr
-    assert "cpu bf16" in train.stdout
+    assert "cpu bf16" in train.stdout and "SDPA fused kernels only (math fallback forbidden)" in train.stdout
     results = json.loads((tmp_path / "train" / "train.json").read_text())["results"]["32"]
     for impl in ("dat_hf", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["time_s"] > 0, results[impl]
+        assert results[impl]["runs"][0]["sdpa_math"] == "forbidden"
     generate = subprocess.run([sys.executable, script, "generate", "--prompt", "6", "--new-tokens", "3", *common,
                                "--out", str(tmp_path / "gen")], capture_output=True, text=True, timeout=300)
     assert generate.returncode == 0, generate.stderr
     results = json.loads((tmp_path / "gen" / "generate.json").read_text())["results"]["6"]
     for impl in ("dat_hf", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["decode_ms_per_token"] > 0, results[impl]
+        assert results[impl]["runs"][0]["sdpa_math"] == "forbidden"
+
+
+def test_a_call_only_sdpa_math_could_serve_fails_the_run_and_says_so():
+    """Under `--sdpa-math forbid`, an SDPA call that no fused kernel takes (here: dropout, which CPU's flash kernel
+    lacks) raises an error naming the math fallback, instead of running it."""
+    import pytest
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from benchmark import Device, parser
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    q = torch.randn(1, 2, 8, 16)
+    forbid = Device(parser().parse_args(["train", "--sdpa-math", "forbid"]))
+    with forbid.attention():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)  # flash serves it
+    with pytest.raises(RuntimeError, match="no fused kernel .* math fallback is forbidden"):
+        with forbid.attention():
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    allow = Device(parser().parse_args(["train"]))  # CPU: allowed by default
+    assert allow.record() == {"sdpa_math": "allowed"}
+    with allow.attention():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
 
 
 def test_benchmark_parts_smoke(tmp_path):

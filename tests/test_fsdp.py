@@ -11,6 +11,7 @@ Accelerate runs FSDP only on accelerators (on CPU it falls back to DDP without a
 decision to FSDP, see `tests/workers/fsdp_train.py`."""
 
 import json
+import os
 import socket
 import sys
 import time
@@ -167,15 +168,21 @@ def test_save_pretrained_of_a_model_sharded_by_hand(tmp_path):
     """`fully_shard` applied by hand (each DAT block, then the root) outside Trainer, one SGD step, then
     `model.save_pretrained` called on every rank: the folder is the one the unsharded model writes (full weights, its
     own class in `architectures` and `auto_map`, dat_hf's code), written atomically by rank 0, and it loads to the
-    gathered weights and to the logits of the unsharded model trained on the same global batch."""
+    gathered weights and to the logits of the unsharded model trained on the same global batch.
+
+    `DAT_HF_FSDP_DEVICE=cuda` runs the two processes on CUDA (scripts/gpu_checks.sh: NCCL with a GPU each, else gloo
+    sharing one GPU); the loaded model's logits are then computed on the CPU against the GPU's."""
+    device = os.environ.get("DAT_HF_FSDP_DEVICE", "cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SAVE_WORKER),
-           str(tmp_path)]
+           str(tmp_path), "--device", device]
     start = time.perf_counter()
-    proc = run_group(cmd, timeout=180, cwd=REPO_ROOT, env=subprocess_env())
+    proc = run_group(cmd, timeout=300, cwd=REPO_ROOT, env=subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    print(f"2-process FSDP2 by hand, 1 step + save_pretrained: {time.perf_counter() - start:.1f} s wall")
+    print(f"2-process FSDP2 by hand on {device}, 1 step + save_pretrained: {time.perf_counter() - start:.1f} s wall")
     for r in (0, 1):  # the model keeps FSDP's class after the save
-        assert json.loads((tmp_path / f"rank{r}.json").read_text())["model_class"] == "FSDPDATForCausalLM"
+        record = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert record["model_class"] == "FSDPDATForCausalLM" and record["device"].startswith(device), record
+        print(f"rank {r}: {record}")
 
     out = tmp_path / "model"
     config = json.loads((out / "config.json").read_text())

@@ -1,14 +1,16 @@
-"""FSDP2 applied by hand, then `save_pretrained` outside Trainer (2 processes, gloo, CPU; run under torchrun).
+"""FSDP2 applied by hand, then `save_pretrained` outside Trainer (run under torchrun; 2 processes, gloo, CPU, or with
+`--device cuda`: NCCL when there is a GPU per process, else gloo over CUDA tensors of one GPU).
 
 A tiny DATForCausalLM is sharded with `fully_shard` (each DAT block, then the root), trained one SGD step on a global
 batch of 4 sequences (2 per rank), and saved with `model.save_pretrained(<out>/model)` on the ranks given by `--save_on`
 (`all`: every rank, the supported usage; `0`: rank 0 only). Rank 0 also writes `<out>/reference.pt`: the full weights
 gathered by hand (`DTensor.full_tensor()`, every rank taking part) and the logits on fixed tokens of an unsharded copy
-of the model trained one step on the whole global batch."""
+of the model trained one step on the whole global batch (all saved on the CPU)."""
 
 import argparse
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -39,31 +41,43 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--save_on", choices=["all", "0"], default="all")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        world_size = int(os.environ["WORLD_SIZE"])
+        one_gpu_each = torch.cuda.device_count() >= world_size
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) if one_gpu_each else 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if one_gpu_each else "gloo", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config())  # same seed: the same initial weights on every rank
+    model = DATForCausalLM(tiny_config()).to(device)  # same seed: the same initial weights on every rank
     reference = copy.deepcopy(model) if rank == 0 else None
-    global_batch = torch.randint(0, 97, (2 * world_size, 16), generator=torch.Generator().manual_seed(1))
+    global_batch = torch.randint(0, 97, (2 * world_size, 16), generator=torch.Generator().manual_seed(1)).to(device)
 
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     train_step(model, global_batch[2 * rank:2 * rank + 2])  # FSDP averages the gradients over the ranks
 
-    full = {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()  # collective: every rank
+    full = {name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu()  # collective: every rank
             for name, p in model.state_dict().items()}
     if args.save_on == "all" or rank == 0:
         model.save_pretrained(args.out / "model")
     if rank == 0:
         train_step(reference, global_batch)
         with torch.no_grad():
-            logits = reference.eval()(input_ids=PROBE_INPUT_IDS).logits
+            logits = reference.eval()(input_ids=PROBE_INPUT_IDS.to(device)).logits.cpu()
         torch.save({"weights": full, "input_ids": PROBE_INPUT_IDS, "logits": logits,
-                    "reference_weights": reference.state_dict()}, args.out / "reference.pt")
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"model_class": type(model).__name__}))
+                    "reference_weights": {name: w.cpu() for name, w in reference.state_dict().items()}},
+                   args.out / "reference.pt")
+    (args.out / f"rank{rank}.json").write_text(json.dumps({
+        "model_class": type(model).__name__, "device": str(device), "backend": dist.get_backend(),
+        "relational_backend": model.model.layers[0].dual_attn.relational.relational_attention_backend}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in stages that each fit a 10-minute run. From the repository root:
+#
+#   bash scripts/gpu_checks.sh STAGE [STAGE ...]      results (logs, JSON tables) go to $OUT, else ./gpu_results
+#
+#   env      GPU, driver and package versions; dat_hf imports and picks the triton backend on CUDA
+#   kernel   the Triton kernel's checks on CUDA tensors (tests/triton_kernel_checks.py, compiled kernels)
+#   fsdp     FSDP2 by hand on CUDA, 2 processes (tests/test_fsdp.py::test_save_pretrained_of_a_model_sharded_by_hand)
+#   train    343M shapes, bf16, train step vs Llama at 2048 and 4096 (2 repetitions) and 1024, 8192 (1)
+#   decode   343M, bf16, ms/token after 1k and 8k prompts (dynamic cache), then compiled static-cache decoding
+#
+# SDPA's math fallback is forbidden in every benchmark run on CUDA (`--sdpa-math forbid`, the default there): a call
+# that needs it fails the run and the table says so. Wheels in .whl/ (packages the machine lacks or has too old) are
+# installed first into /tmp/site.
+set -uo pipefail
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+BENCH=(python3 scripts/benchmark.py)
+CUDA=(--device cuda --dtype bf16 --preset dat-343m --impls dat_hf llama --threads 8)
+
+stage() {
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc $rc, $((SECONDS - start)) s"
+    return "$rc"
+}
+
+status=0
+for name in "$@"; do
+    case $name in
+        env)
+            stage env bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "
+import torch, transformers, triton, accelerate, dat_hf
+from dat_hf import DATForCausalLM
+from dat_hf.training import load_preset_config
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__,
+      \"triton\", triton.__version__, \"accelerate\", accelerate.__version__, \"dat_hf\", dat_hf.__version__)
+model = DATForCausalLM(load_preset_config(\"dat-tiny\")).cuda()
+model(torch.randint(0, 64, (1, 32), device=\"cuda\"))
+print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relational.relational_attention_backend)
+"' || status=1 ;;
+        kernel)
+            stage kernel python3 -m pytest -q -p no:cacheprovider tests/triton_kernel_checks.py || status=1 ;;
+        fsdp)
+            stage fsdp env DAT_HF_FSDP_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider tests/test_fsdp.py \
+                -k sharded_by_hand || status=1 ;;
+        train)
+            stage train "${BENCH[@]}" train "${CUDA[@]}" --seq 2048 4096 --steps 3 --repeats 2 --out "$OUT/train" \
+                || status=1
+            stage train_1k_8k "${BENCH[@]}" train "${CUDA[@]}" --seq 1024 8192 --steps 3 --repeats 1 \
+                --max-len 8192 --out "$OUT/train_1k_8k" || status=1 ;;
+        decode)
+            stage decode "${BENCH[@]}" generate "${CUDA[@]}" --prompt 1024 8192 --new-tokens 128 --repeats 2 \
+                --out "$OUT/decode" || status=1
+            stage decode_compiled "${BENCH[@]}" generate "${CUDA[@]}" --prompt 1024 --new-tokens 128 --compile \
+                --out "$OUT/decode_compiled" || status=1 ;;
+        *)
+            echo "unknown stage $name (env, kernel, fsdp, train, decode)" >&2
+            status=2 ;;
+    esac
+done
+exit $status
