@@ -6,6 +6,8 @@
 #   env      GPU, driver and package versions; dat_hf imports and picks the triton backend on CUDA
 #   kernel   the Triton kernel's checks on CUDA tensors (tests/triton_kernel_checks.py, compiled kernels)
 #   fsdp     FSDP2 by hand on CUDA, 2 processes (tests/test_fsdp.py::test_save_pretrained_of_a_model_sharded_by_hand)
+#   sdpa     343M shapes, bf16, train step at 4096 with the relational heads on SDPA (fused values of width
+#            head_dim + R * d_r): does SDPA keep a fused kernel at that width (the run fails if it needs the math one)
 #   train    343M shapes, bf16, train step vs Llama at 2048 and 4096 (2 repetitions) and 1024, 8192 (1)
 #   decode   343M, bf16, ms/token after 1k and 8k prompts (dynamic cache), then compiled static-cache decoding
 #
@@ -53,6 +55,9 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
         fsdp)
             stage fsdp env DAT_HF_FSDP_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider tests/test_fsdp.py \
                 -k sharded_by_hand || status=1 ;;
+        sdpa)
+            stage sdpa "${BENCH[@]}" train "${CUDA[@]}" --impls dat_hf --relational-backend sdpa --seq 4096 \
+                --steps 3 --out "$OUT/sdpa" || status=1 ;;
         train)
             stage train "${BENCH[@]}" train "${CUDA[@]}" --seq 2048 4096 --steps 3 --repeats 2 --out "$OUT/train" \
                 || status=1
@@ -64,7 +69,7 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage decode_compiled "${BENCH[@]}" generate "${CUDA[@]}" --prompt 1024 --new-tokens 128 --compile \
                 --out "$OUT/decode_compiled" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, train, decode)" >&2
+            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode)" >&2
             status=2 ;;
     esac
 done
