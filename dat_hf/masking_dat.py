@@ -284,13 +284,13 @@ class SlidingWindow:
         return None if bool(valid.all()) else valid
 
 
-def _sliding_window_without_dense_mask(window: int, two_sided: bool, config, inputs_embeds, attention_mask,
-                                       past_key_values, position_ids) -> AttentionMask | None:
+def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embeds, attention_mask, past_key_values,
+                                       position_ids) -> AttentionMask | None:
     """A long sliding window of one forward without cache content, as a `SlidingWindow` (no `n x n` mask), when its
     receiver blocks skip enough work; None where Transformers' mask builder must decide (a cache with tokens,
-    packed sequences told by `position_ids`, a 4-D mask, FlexAttention's BlockMask, `torch.compile`)."""
+    packed sequences told by `position_ids`, a 4-D mask, `torch.compile`)."""
     q_len = inputs_embeds.shape[1]
-    if q_len < 2 * RECEIVER_BLOCK or torch.compiler.is_compiling() or uses_flex_attention(config):
+    if q_len < 2 * RECEIVER_BLOCK or torch.compiler.is_compiling():
         return None
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != q_len):
         return None
@@ -369,12 +369,15 @@ def build_attention_mask(
         two_sided = bias == "sliding_window_bidirectional"
         create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
         window = config.sliding_window_size + (0 if two_sided else 1)
-        blockwise = _sliding_window_without_dense_mask(window, two_sided, config, inputs_embeds, attention_mask,
+        inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=past_key_values,
+                      **({} if two_sided else {"position_ids": position_ids}))
+        blockwise = _sliding_window_without_dense_mask(window, two_sided, inputs_embeds, attention_mask,
                                                        past_key_values, position_ids)
         if blockwise is not None:
+            if uses_flex_attention(config):  # FlexAttention heads skip the masked blocks with a BlockMask
+                blockwise.block_mask = create(config=_MaskFormat(config, "flex_attention", window), **inputs)
             return blockwise
-        masks = _both_formats(create, config, window, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                              past_key_values=past_key_values, **({} if two_sided else {"position_ids": position_ids}))
+        masks = _both_formats(create, config, window, **inputs)
         return _with_row_validity(*masks[:1], is_causal=not two_sided, block_mask=masks[1])
     and_fn = None
     if bias == "sparse":

@@ -553,6 +553,30 @@ def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, enco
         assert max_diff(incremental[0], blockwise[0]) < ATOL and max_diff(incremental[1, 5:], blockwise[1, 5:]) < ATOL
 
 
+def test_long_sliding_window_with_flex_attention_skips_blocks_without_the_dense_mask():
+    """With FlexAttention heads, a long sliding window keeps its index arithmetic too: the heads get Transformers'
+    sliding-window BlockMask (masked blocks skipped), no `n x n` mask is formed, and the outputs are those of the
+    dense mask (left padding)."""
+    import dat_hf.masking_dat as masking_dat
+
+    kwargs = dict(seed=3, relational_bias="sliding_window", sliding_window_size=20, max_position_embeddings=2048)
+    flex, sdpa = make_model(impl="flex_attention", **kwargs), make_model(**kwargs)
+    n = 1100
+    x, mask = embeds(7, n), torch.ones(2, n, dtype=torch.long)
+    mask[1, :5] = 0
+    built = []
+    build = masking_dat.build_attention_mask
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking_dat, "build_attention_mask", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+        out = hidden(flex, x, attention_mask=mask)
+    (window_mask,) = built
+    assert window_mask.window is not None and window_mask.block_mask is not None
+    assert window_mask._mask is None  # (the dense mask is built only on request)
+    assert flex.layers[0].dual_attn.relational.relational_attention_backend == "flex_attention"
+    dense = hidden(sdpa, x, attention_mask=mask)
+    assert max_diff(out[0], dense[0]) < ATOL and max_diff(out[1, 5:], dense[1, 5:]) < ATOL
+
+
 # ---- masks built once per forward; per-head-type graphs -----------------------------------------------------------
 def test_masks_built_once_per_forward():
     """Each distinct bias is built once per forward (not once per layer or head type), in training and generation."""
