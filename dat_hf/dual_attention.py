@@ -270,9 +270,11 @@ class RelationalAttention(nn.Module):
         `query_offset`: the cache index of the first receiver (default `kv - q`)."""
         output_attentions = kwargs.get("output_attentions", False)
         backend = select_relational_attention(self, query, mask, output_attentions)
+        takes_window = mask.window is not None and RELATIONAL_ATTENTION_FUNCTIONS[backend].takes_sliding_window
         if mask.receiver_blocks is not None and backend != "flex_attention" and not (
-                output_attentions or self.relative_symbols):
-            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph)
+                output_attentions or self.relative_symbols or takes_window):
+            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph), unless
+            # the backend takes the sliding window itself (one call over the whole sequence)
             def attend_block(block, receivers, senders):
                 (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
                 return self._attend(backend, query_part, key_part, symbol_part, relation_query_part,

@@ -170,11 +170,14 @@ class RelationalCall(NamedTuple):
 
 class RelationalBackend(NamedTuple):
     """A registered backend: its function, `supports(call) -> None` when it can run the call (else the reason why
-    not), and the devices on which automatic selection tries it before the configured implementation."""
+    not), the devices on which automatic selection tries it before the configured implementation, and whether it
+    takes a sliding window over the whole sequence in one call (`AttentionMask.window`: its own index arithmetic,
+    no receiver blocks, no dense mask)."""
 
     function: Callable
     supports: Callable[[RelationalCall], str | None]
     preferred_on: tuple[str, ...] = ()
+    takes_sliding_window: bool = False
 
 
 def fused_values_limits(call: RelationalCall) -> str | None:
@@ -207,8 +210,8 @@ class RelationalAttentionInterface(dict):
     `dat_hf.kernels`), like Transformers' `ALL_ATTENTION_FUNCTIONS`."""
 
     def register(self, name: str, function: Callable, supports: Callable[[RelationalCall], str | None],
-                 preferred_on: tuple[str, ...] = ()) -> None:
-        self[name] = RelationalBackend(function, supports, tuple(preferred_on))
+                 preferred_on: tuple[str, ...] = (), takes_sliding_window: bool = False) -> None:
+        self[name] = RelationalBackend(function, supports, tuple(preferred_on), takes_sliding_window)
 
     def backend(self, name: str) -> RelationalBackend:
         if name not in self:

@@ -9,7 +9,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from dat_hf.masking_dat import AttentionMask
-from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackend, eager_relational_attention
+from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, eager_relational_attention
 
 SCALING, RELATION_SCALING = 0.37, 0.61
 
@@ -111,7 +111,7 @@ def count_backend_calls(name):
         calls[0] += 1
         return backend.function(*args, **kwargs)
 
-    RELATIONAL_ATTENTION_FUNCTIONS[name] = RelationalBackend(counted, backend.supports, backend.preferred_on)
+    RELATIONAL_ATTENTION_FUNCTIONS[name] = backend._replace(function=counted)
     try:
         yield calls
     finally:

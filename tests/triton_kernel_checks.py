@@ -9,11 +9,14 @@ CUDA machine, run them directly with compiled kernels: `python -m pytest tests/t
 - the op against the reference split into its two aggregations, for head chunks with padded heads (12 heads over 4 kv
   heads), head and relation dims that are not powers of two, causal prefill after a cache, a strided (model-layout)
   query, a mask that isolates receivers (zeros and zero gradients, no NaN);
+- the op's sliding window (one- and two-sided, with and without padding, windows of 1, within, equal to and beyond a
+  tile) against the reference with Transformers' window mask, isolated receivers zero;
 - float16 and bfloat16 values and gradients against the float64 reference on the same rounded inputs;
 - decoding steps (one receiver, no gradients) through the backend, with padding;
 - models: a tiny `DATForCausalLM` with `relational_attn_implementation="triton"` gives the `eager` backend's logits
-  and gradients (GQA, padded sliding window) and its greedy generation; under bfloat16 autocast the kernel runs in
-  bfloat16; `torch.compile` traces the ops (fake kernels, autograd formula) and gives eager's gradients.
+  and gradients (GQA, padded sliding window) and its greedy generation; a long sliding window (decoder and encoder)
+  runs in one kernel call per layer without a dense mask; under bfloat16 autocast the kernel runs in bfloat16;
+  `torch.compile` traces the ops (fake kernels, autograd formula) and gives eager's gradients.
 """
 
 import pytest
@@ -24,7 +27,10 @@ from relational_cases import (Heads, assert_close, causal_and, count_backend_cal
                               reference_parts, right_padding)
 from torch._dynamo.backends.registry import lookup_backend
 
-from dat_hf import DATForCausalLM
+from transformers.masking_utils import sliding_window_bidirectional_mask_function, sliding_window_causal_mask_function
+
+import dat_hf.masking_dat as masking_dat
+from dat_hf import DATEncoderConfig, DATForCausalLM, DATForTokenClassification
 from dat_hf.kernels import triton_relational as kernel
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.relational_attention import eager_relational_attention
@@ -57,28 +63,39 @@ def test_matrix_runs_what_the_cpu_kernel_runs():
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------------
-def op_reference_mask(b, q_len, kv_len, causal, mask=None):
+def op_reference_mask(b, q_len, kv_len, causal, mask=None, window=None, two_sided=False):
     """The op's masking as an explicit mask for the reference: `mask` (bool `[b|1, 1, q|1, kv]`, or none) on top of
-    the op's causal order, in which receiver i sits at position kv - q + i."""
+    the op's causal order and Transformers' sliding window mask function, in which receiver i sits at position
+    kv - q + i. Receivers without senders attend everywhere (`row_valid` `[b, 1, q, 1]` says which)."""
     full = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool) if mask is None else mask.expand(b, 1, q_len, kv_len)
-    return AttentionMask(causal_and(full, q_len, kv_len) if causal else full, None, False)
+    allowed = causal_and(full, q_len, kv_len) if causal else full
+    if window is not None:
+        make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
+        allowed = allowed & make(window)(None, None, torch.arange(q_len)[:, None] + kv_len - q_len,
+                                         torch.arange(kv_len)[None, :])
+    row_valid = allowed.any(-1, keepdim=True)
+    return AttentionMask(allowed | ~row_valid, row_valid, False)
 
 
-def run_op(spec, dtype=torch.float32, causal=True, mask=None, transpose_query=False, seed=0):
+def run_op(spec, dtype=torch.float32, causal=True, mask=None, transpose_query=False, seed=0, window=None,
+           two_sided=False):
     """(outputs, float64 reference outputs, gradients of the five inputs, float64 reference gradients); the reference
-    runs on the inputs rounded to `dtype`. mask: None or bool `[b|1, 1, q|1, kv]`, on top of `causal`."""
+    runs on the inputs rounded to `dtype`. mask: None or bool `[b|1, 1, q|1, kv]`, on top of `causal` and `window`;
+    the reference's receivers without senders are zeroed."""
     rounded = [t.detach().to(dtype) for t in make_inputs(seed=seed, **spec)]
     inputs64 = [t.double().requires_grad_() for t in rounded]
     b, q_len, kv_len = rounded[0].shape[0], rounded[0].shape[2], rounded[1].shape[2]
-    reference_mask = op_reference_mask(b, q_len, kv_len, causal, mask)
-    expected = reference_parts(*inputs64, reference_mask, SCALING, RELATION_SCALING)
+    reference_mask = op_reference_mask(b, q_len, kv_len, causal, mask, window, two_sided)
+    row_valid = reference_mask.row_valid.transpose(1, 2)  # [b, q, 1, 1]
+    expected = [e * row_valid for e in reference_parts(*inputs64, reference_mask, SCALING, RELATION_SCALING)]
     inputs = [t.to(DEVICE).requires_grad_() for t in rounded]
     query = inputs[0]
     if transpose_query:  # the model's layout: [b, q, h, d] storage viewed as [b, h, q, d]
         query = query.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
         inputs[0] = query
     got = kernel.relational_attention_op(query, inputs[1], inputs[2].expand(b, -1, -1, -1), inputs[3], inputs[4],
-                                         causal, SCALING, RELATION_SCALING, None if mask is None else mask.to(DEVICE))
+                                         causal, SCALING, RELATION_SCALING, None if mask is None else mask.to(DEVICE),
+                                         window=window, two_sided=two_sided)
     gen = torch.Generator().manual_seed(11)
     grads_out = [torch.randn(e.shape, generator=gen, dtype=torch.float64) for e in expected]
     grads = torch.autograd.grad(got, inputs, [g.to(dtype).to(DEVICE) for g in grads_out])
@@ -113,6 +130,42 @@ OP_CASES = {  # (spec, causal, mask builder)
 def test_op_matches_reference(case):
     spec, causal, make_mask = OP_CASES[case]
     assert_matches(*run_op(spec, causal=causal, mask=make_mask() if make_mask else None), atol=2e-5, rtol=2e-5)
+
+
+def left_padding(b, kv_len, lengths):
+    """bool `[b, 1, 1, kv]`: row i's first kv - lengths[i] senders are padding."""
+    return right_padding(b, kv_len, lengths).flip(-1)
+
+
+# (spec, window, two_sided, causal, padding): tiles of 16 receivers x 32 senders under the interpreter
+WINDOW_CASES = {
+    "one-sided-window-1": (dict(q_len=40, kv_len=40), 1, False, True, None),
+    "one-sided-in-a-tile-left-padding-isolates": (dict(b=3, q_len=70, kv_len=70), 9, False, True,
+                                                  lambda: left_padding(3, 70, [70, 57, 30])),
+    "one-sided-a-tile-wide-not-causal": (dict(q_len=64, kv_len=64, d=8, R=2, d_r=4), 32, False, False, None),
+    "one-sided-after-cache": (dict(b=1, q_len=20, kv_len=45, d=8, R=2, d_r=4), 7, False, True, None),
+    "two-sided-window-1": (dict(q_len=40, kv_len=40), 1, True, False, None),
+    "two-sided-in-a-tile-right-padding-isolates": (dict(b=3, q_len=60, kv_len=60), 5, True, False,
+                                                   lambda: right_padding(3, 60, [60, 47, 20])),
+    "two-sided-beyond-a-tile": (dict(q_len=50, kv_len=50, d=8, R=2, d_r=4), 40, True, False, None),
+    "two-sided-and-causal-after-cache": (dict(b=1, q_len=20, kv_len=45, d=8, R=2, d_r=4), 7, True, True, None),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_op_sliding_window_matches_reference(case):
+    """The op's window (index arithmetic; GQA, 4 heads over 2 kv heads) equals Transformers' window mask function
+    given to the reference as a dense mask; receivers whose window holds only padding get zeros and zero gradients."""
+    spec, window, two_sided, causal, make_padding = WINDOW_CASES[case]
+    padding = make_padding() if make_padding else None
+    got, expected, grads, grads64 = run_op(dict(dict(h=4, h_kv=2), **spec), causal=causal, mask=padding,
+                                           window=window, two_sided=two_sided)
+    assert_matches(got, expected, grads, grads64, atol=2e-5, rtol=2e-5)
+    b, q_len, kv_len = got[0].shape[0], got[0].shape[1], spec["kv_len"]
+    isolated = ~op_reference_mask(b, q_len, kv_len, causal, padding, window, two_sided).row_valid[:, 0, :, 0]
+    assert isolated.any() == (padding is not None)
+    assert (got[0][isolated] == 0).all() and (got[1][isolated] == 0).all()
+    assert (grads[0].transpose(1, 2)[isolated] == 0).all() and (grads[3][isolated] == 0).all()
 
 
 def test_strided_query():
@@ -169,6 +222,9 @@ def test_bad_inputs_name_the_problem():
         op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], True, 1.0, 1.0)
     with pytest.raises(ValueError, match=r"the mask must be bool \[b\|1, 1, q\|1, kv\] = \[2\|1, 1, 5\|1, 5\]"):
         op(q, k, v, qr, kr, True, 1.0, 1.0, torch.ones(2, 1, 5, 4, dtype=torch.bool))
+    for window in (0, 2.0, True):
+        with pytest.raises(ValueError, match="the window must be None or a positive int"):
+            op(q, k, v, qr, kr, True, 1.0, 1.0, window=window)
 
 
 # ---- the backend: decoding and models ----------------------------------------------------------------------------
@@ -199,6 +255,56 @@ def test_causal_lm_logits_and_gradients_equal_eager(name):
         inputs["attention_mask"] = (torch.arange(21, device=DEVICE)[None]
                                     >= torch.tensor([0, 5, 11], device=DEVICE)[:, None]).long()
     matrix.assert_backends_agree(model, inputs, backends=("triton",))  # also: every layer ran the triton backend
+
+
+def window_model(family):
+    """A tiny decoder (left padding) or token classifier (right padding) whose relational and sensory heads see a
+    sliding window, and inputs long enough that it runs as `SlidingWindow` index arithmetic over receiver blocks of 8
+    (with `masking_dat.RECEIVER_BLOCK` = 8)."""
+    n, kept = 40, torch.tensor([40, 33, 26], device=DEVICE)
+    if family == "decoder":
+        model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=4))
+        attention_mask = torch.arange(n, device=DEVICE)[None] >= n - kept[:, None]
+    else:
+        model = DATForTokenClassification(DATEncoderConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2, num_relational_heads=2,
+            num_relational_key_value_heads=1, intermediate_size=64, num_symbols=8, symbolic_attention_heads=2,
+            max_position_embeddings=64, num_labels=3, relational_bias="sliding_window_bidirectional",
+            sliding_window_size=3))
+        attention_mask = torch.arange(n, device=DEVICE)[None] < kept[:, None]
+    x = torch.randint(0, model.config.vocab_size, (3, n), device=DEVICE)
+    return model.to(DEVICE), {"input_ids": x, "attention_mask": attention_mask.long()}
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder"])
+def test_long_sliding_window_is_one_call_per_layer(monkeypatch, family):
+    """A sliding window kept as index arithmetic goes to the kernel whole: one op call per layer with the window and
+    the padding as a `[b, 1, 1, kv]` mask, the `eager` backend's logits and gradients, and no dense mask built (the
+    sensory heads run block by block from the window's block masks)."""
+    monkeypatch.setattr(masking_dat, "RECEIVER_BLOCK", 8)
+    dense_mask = AttentionMask.mask
+
+    def refuse(self):
+        assert self.window is None, "the dense mask of a sliding window was built"
+        return dense_mask.fget(self)
+
+    monkeypatch.setattr(AttentionMask, "mask", property(refuse))
+    op, windows = kernel.relational_attention_op, []
+
+    def spy(*args, **kwargs):
+        mask = args[8] if len(args) > 8 else kwargs.get("mask")
+        windows.append((kwargs.get("window"), kwargs.get("two_sided"), None if mask is None else tuple(mask.shape)))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "relational_attention_op", spy)
+    torch.manual_seed(4)
+    model, inputs = window_model(family)
+    mask = masking_dat.build_masks([model.config.relational_bias], model.config, torch.zeros(3, 40, 32),
+                                   inputs["attention_mask"].bool().cpu(), causal=family == "decoder")
+    assert next(iter(mask.values())).window is not None  # (the window's index arithmetic applies)
+    matrix.assert_backends_agree(model, inputs, backends=("triton",))
+    expected = (5, False) if family == "decoder" else (3, True)  # Transformers' window: sliding_window_size (+ 1)
+    assert windows == [(*expected, (3, 1, 1, 40))] * model.config.num_hidden_layers
 
 
 def test_greedy_generation_equals_eager():

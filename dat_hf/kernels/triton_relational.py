@@ -13,10 +13,16 @@ HEADS query heads of one batch row (h rounded up to a power of two, at most `HEA
 several chunks, each forming the relations again) and holds per-head tiles `[HEADS, BLOCK_M, ...]`; scores are batched
 products `[HEADS, BLOCK_M, d_h] x [HEADS, d_h, BLOCK_N]` whose key and value tiles are read per kv head (GQA: nothing
 is repeated in memory).
-- forward, program = (BLOCK_M receivers, b, chunk): walks the senders in BLOCK_N blocks up to the causal bound (a
-  block that the bool mask leaves empty is skipped once its mask tile is read) with an online softmax per head: the
-  scores, then for each relation l the tile r_l = q_rel_l k_rel_l^T, ONCE for all the program's heads, and its sums
-  sum_j p_hij r_l(i, j) for every head, then P V. Writes symbols, relations and the log-sum-exp `[b, h, q]` (base 2).
+- masks: causal order (receiver i at position p = kv - q + i sees senders j <= p), a sliding window as Transformers'
+  mask functions (`p - window < j <= p`, or two-sided `|p - j| <= window`) and a bool mask `[b|1, 1, q|1, kv]`
+  (padding, other graphs), all three combinable. Causal order and window come from index arithmetic: they bound the
+  loops (the senders of a receiver tile from p_first - window to p_last (+ window), the receivers of a sender tile
+  likewise) and mask the boundary tiles, so a window costs O(n * window) in one launch with no mask tensor.
+- forward, program = (BLOCK_M receivers, b, chunk): walks the senders in BLOCK_N blocks within the causal and window
+  bounds (a block that the bool mask leaves empty is skipped once its mask tile is read) with an online softmax per
+  head: the scores, then for each relation l the tile r_l = q_rel_l k_rel_l^T, ONCE for all the program's heads, and
+  its sums sum_j p_hij r_l(i, j) for every head, then P V. Writes symbols, relations and the log-sum-exp `[b, h, q]`
+  (base 2).
 - backward: two kernels that recompute the tiles from the log-sum-exp (no atomics: deterministic), with
       dP = dSymbols V^T + sum_l dRelations_l r_l     D = <dSymbols, symbols> + <dRelations, relations>
       dS = P (dP - D)                                dr_l = sum_h P_h dRelations_h,l
@@ -58,7 +64,7 @@ INTERPRETED = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
 HEADS_PER_PROGRAM = 8
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TUNING_KEY = ["HEADS", "GROUPS", "HEAD_DIM", "NUM_RELATIONS", "RELATION_DIM", "CAUSAL", "HAS_MASK"]
+_TUNING_KEY = ["HEADS", "GROUPS", "HEAD_DIM", "NUM_RELATIONS", "RELATION_DIM", "CAUSAL", "WINDOWED", "HAS_MASK"]
 
 
 def _configs(shapes):
@@ -113,17 +119,55 @@ def _head_rows(ptr, heads, stride_h, rows, stride_row, n_rows, head_ok, other):
 
 
 @triton.jit
-def _visible(MASK, mask_row, stride_mm, stride_mn, offs_m, offs_n, q_len, kv_len, CAUSAL: tl.constexpr,
-             HAS_MASK: tl.constexpr):
-    """`[BLOCK_M, BLOCK_N]` bool: receiver offs_m (at position kv - q + i when causal) may attend to sender offs_n."""
+def _visible(MASK, mask_row, stride_mm, stride_mn, offs_m, offs_n, q_len, kv_len, window_lo, window_hi,
+             CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_MASK: tl.constexpr):
+    """`[BLOCK_M, BLOCK_N]` bool: receiver offs_m, at position p = kv - q + i, may attend to sender offs_n: j <= p
+    (causal), p - window_lo <= j <= p + window_hi (window)."""
     visible = (offs_m < q_len)[:, None] & (offs_n < kv_len)[None, :]
+    position = offs_m[:, None] + (kv_len - q_len)
     if CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None] + (kv_len - q_len))
+        visible = visible & (offs_n[None, :] <= position)
+    if WINDOWED:
+        visible = visible & (offs_n[None, :] >= position - window_lo) & (offs_n[None, :] <= position + window_hi)
     if HAS_MASK:
         allowed = tl.load(MASK + mask_row + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn, mask=visible,
                           other=0)
         visible = visible & (allowed != 0)
     return visible
+
+
+@triton.jit
+def _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the senders that receivers [q0, q0 + BLOCK_M) may see (start on a BLOCK_N boundary):
+    p_first - window_lo <= j <= p_last + window_hi (window), j <= p_last (causal), p = kv - q + i."""
+    first = q0 + kv_len - q_len  # position of the first receiver
+    last = tl.minimum(q0 + BLOCK_M, q_len) - 1 + kv_len - q_len
+    start = 0
+    end = kv_len
+    if WINDOWED:
+        start = (tl.maximum(first - window_lo, 0) // BLOCK_N) * BLOCK_N
+        end = tl.minimum(end, last + window_hi + 1)
+    if CAUSAL:
+        end = tl.minimum(end, last + 1)
+    return start, end
+
+
+@triton.jit
+def _receiver_range(n0, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the receivers that may see senders [n0, n0 + BLOCK_N) (start on a BLOCK_M boundary): receiver
+    i sees sender j when j - window_hi <= p <= j + window_lo (window) and j <= p (causal), p = kv - q + i."""
+    offset = kv_len - q_len
+    start = 0
+    end = q_len
+    if WINDOWED:
+        end = tl.minimum(q_len, n0 + BLOCK_N + window_lo - offset)
+        if not CAUSAL:
+            start = (tl.maximum(n0 - window_hi - offset, 0) // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        start = (tl.maximum(n0 - offset, 0) // BLOCK_M) * BLOCK_M
+    return start, end
 
 
 @triton.jit
@@ -181,14 +225,15 @@ def _receiver_tiles(Q, D_SYMBOLS, LSE, DELTA, b, heads, sq_b, sq_h, sq_m, offs_m
 @triton.jit
 def _forward_kernel(Q, K, V, QR, KR, MASK, SYMBOLS, RELATIONS, LSE,
                     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n, skr_l,
-                    sm_b, sm_m, sm_n, num_heads, q_len, kv_len, qk_scale, relation_scaling,
+                    sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, relation_scaling,
                     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_RELATIONS: tl.constexpr,
                     RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, DR_PAD: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                    WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Symbols `[b, q, h, d_h]`, relations `[b, q, h, R]` and the log-sum-exp `[b, h, q]` of one block of receivers,
     walking the senders it sees."""
-    b, _, heads, head_ok = _program_heads(num_heads, HEADS)
+    # (slot is unused here; named, since `_` is rebound to tensors in the loop and Triton fixes loop-carried types)
+    b, slot, heads, head_ok = _program_heads(num_heads, HEADS)
     q0 = tl.program_id(0) * BLOCK_M
     offs_m = q0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
@@ -199,10 +244,11 @@ def _forward_kernel(Q, K, V, QR, KR, MASK, SYMBOLS, RELATIONS, LSE,
     l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc_symbols = tl.zeros([HEADS, BLOCK_M, D_PAD], tl.float32)
     acc_relations = tl.zeros([HEADS, BLOCK_M, R_PAD], tl.float32)
-    end = tl.minimum(kv_len, q0 + BLOCK_M + kv_len - q_len) if CAUSAL else kv_len
-    for start_n in range(0, end, BLOCK_N):
+    start, end = _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, CAUSAL, HAS_MASK)
+        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
+                           window_hi, CAUSAL, WINDOWED, HAS_MASK)
         if tl.max(visible.to(tl.int32)) > 0:
             k, v = _sender_tiles(K, V, b, heads // GROUPS, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, offs_n, kv_len, offs_d,
                                  HEAD_DIM, head_ok)
@@ -278,11 +324,12 @@ def _store_relation_gradients(PTR, acc, slot, offs, n_rows, offs_c, NUM_RELATION
 @triton.jit
 def _backward_dkv_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DELTA, DK, DV, DKR,
                          sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n,
-                         skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, qk_scale, scaling, relation_scaling,
-                         HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, scaling,
+                         relation_scaling, HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          NUM_RELATIONS: tl.constexpr, RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         R_PAD: tl.constexpr, DR_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                         PRECISION: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         R_PAD: tl.constexpr, DR_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                         HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     """dK, dV `[b, h, kv, d_h]` (per query head, float32) and dK_rel `[chunks, b, kv, R, d_r]` (float32) of one block
     of senders, walking the receivers that can see it."""
     b, slot, heads, head_ok = _program_heads(num_heads, HEADS)
@@ -295,11 +342,11 @@ def _backward_dkv_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DEL
     dk = tl.zeros([HEADS, BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([HEADS, BLOCK_N, D_PAD], tl.float32)
     dkr = tl.zeros([R_PAD, BLOCK_N, DR_PAD], tl.float32)
-    # receiver i sees sender j when j <= i + kv - q (causal): the first block of receivers that sees this one
-    start = (tl.maximum(n0 - (kv_len - q_len), 0) // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    for start_m in range(start, q_len, BLOCK_M):
+    start, end = _receiver_range(n0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, CAUSAL, HAS_MASK)
+        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
+                           window_hi, CAUSAL, WINDOWED, HAS_MASK)
         if tl.max(visible.to(tl.int32)) > 0:
             q, d_symbols, lse, delta = _receiver_tiles(Q, D_SYMBOLS, LSE, DELTA, b, heads, sq_b, sq_h, sq_m, offs_m,
                                                        q_len, offs_d, num_heads, HEAD_DIM, head_ok)
@@ -320,11 +367,12 @@ def _backward_dkv_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DEL
 @triton.jit
 def _backward_dq_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DELTA, DQ, DQR,
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n,
-                        skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, qk_scale, scaling, relation_scaling,
-                        HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, scaling,
+                        relation_scaling, HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         NUM_RELATIONS: tl.constexpr, RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                        R_PAD: tl.constexpr, DR_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                        PRECISION: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        R_PAD: tl.constexpr, DR_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                        HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     """dQ `[b, h, q, d_h]` and dQ_rel `[chunks, b, q, R, d_r]` (float32) of one block of receivers, walking the
     senders it sees."""
     b, slot, heads, head_ok = _program_heads(num_heads, HEADS)
@@ -336,10 +384,11 @@ def _backward_dq_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DELT
                                                offs_d, num_heads, HEAD_DIM, head_ok)
     dq = tl.zeros([HEADS, BLOCK_M, D_PAD], tl.float32)
     dqr = tl.zeros([R_PAD, BLOCK_M, DR_PAD], tl.float32)
-    end = tl.minimum(kv_len, q0 + BLOCK_M + kv_len - q_len) if CAUSAL else kv_len
-    for start_n in range(0, end, BLOCK_N):
+    start, end = _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, CAUSAL, HAS_MASK)
+        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
+                           window_hi, CAUSAL, WINDOWED, HAS_MASK)
         if tl.max(visible.to(tl.int32)) > 0:
             k, v = _sender_tiles(K, V, b, heads // GROUPS, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, offs_n, kv_len, offs_d,
                                  HEAD_DIM, head_ok)
@@ -359,7 +408,7 @@ def _contiguous_last(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _check_inputs(query, key, values, q_rel, k_rel, mask, causal):
+def _check_inputs(query, key, values, q_rel, k_rel, mask, causal, window):
     names = ("query", "key", "symbol values", "relation queries", "relation keys")
     tensors = (query, key, values, q_rel, k_rel)
     for name, x in zip(names, tensors):
@@ -386,9 +435,11 @@ def _check_inputs(query, key, values, q_rel, k_rel, mask, causal):
         raise ValueError(f"relational attention (triton): the mask must be bool [b|1, 1, q|1, kv] = [{b}|1, 1, "
                          f"{q_len}|1, {kv_len}] (True = attend) on {query.device}, got {mask.dtype} "
                          f"{list(mask.shape)} on {mask.device}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"relational attention (triton): the window must be None or a positive int, got {window!r}")
 
 
-def _launch(query, key, values, q_rel, k_rel, mask, causal):
+def _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided):
     """(head chunks, the kernels' shared arguments after the pointers, their constexprs)."""
     _, h, q_len, d = query.shape
     kv_len, R, d_r = key.shape[2], q_rel.shape[2], q_rel.shape[3]
@@ -400,11 +451,15 @@ def _launch(query, key, values, q_rel, k_rel, mask, causal):
     else:  # broadcast dims read with stride 0
         mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
                         mask.stride(3))
-    shared = (*strides, *mask_strides, h, q_len, kv_len)
+    # receiver at position p sees senders p - window_lo <= j <= p + window_hi: p - window < j <= p (one-sided, as
+    # Transformers' sliding_window_causal_mask_function) or |p - j| <= window (two-sided); window 0: none
+    window_lo, window_hi = (window, window) if two_sided else (window - 1, 0)
+    shared = (*strides, *mask_strides, h, q_len, kv_len, window_lo, window_hi)
     constants = dict(
         HEADS=heads, GROUPS=h // key.shape[1], HEAD_DIM=d, NUM_RELATIONS=R, RELATION_DIM=d_r,
         D_PAD=max(16, triton.next_power_of_2(d)), R_PAD=triton.next_power_of_2(R),
-        DR_PAD=max(16, triton.next_power_of_2(d_r)), CAUSAL=bool(causal), HAS_MASK=mask is not None,
+        DR_PAD=max(16, triton.next_power_of_2(d_r)), CAUSAL=bool(causal), WINDOWED=window > 0,
+        HAS_MASK=mask is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=INTERPRETED and query.dtype == torch.bfloat16,
     )
@@ -417,13 +472,13 @@ def _receiver_grid(q_len, rows):
 
 @torch.library.custom_op("dat_hf::triton_relational_forward", mutates_args=())
 def _forward_op(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, q_rel: torch.Tensor,
-                k_rel: torch.Tensor, mask: torch.Tensor | None, causal: bool, scaling: float,
-                relation_scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                k_rel: torch.Tensor, mask: torch.Tensor | None, causal: bool, window: int, two_sided: bool,
+                scaling: float, relation_scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, q_len, d = query.shape
     symbols = query.new_empty(b, q_len, h, d)
     relations = query.new_empty(b, q_len, h, q_rel.shape[2])
     lse = torch.empty(b, h, q_len, device=query.device, dtype=torch.float32)
-    chunks, shared, constants = _launch(query, key, values, q_rel, k_rel, mask, causal)
+    chunks, shared, constants = _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided)
     _forward_kernel[_receiver_grid(q_len, b * chunks)](
         query, key, values, q_rel, k_rel, query if mask is None else mask, symbols, relations, lse, *shared,
         scaling * LOG2E, relation_scaling, **constants)
@@ -431,7 +486,7 @@ def _forward_op(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, q_
 
 
 @_forward_op.register_fake
-def _(query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling):
+def _(query, key, values, q_rel, k_rel, mask, causal, window, two_sided, scaling, relation_scaling):
     b, h, q_len, d = query.shape
     return (query.new_empty(b, q_len, h, d), query.new_empty(b, q_len, h, q_rel.shape[2]),
             query.new_empty(b, h, q_len, dtype=torch.float32))
@@ -440,16 +495,16 @@ def _(query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling)
 @torch.library.custom_op("dat_hf::triton_relational_backward", mutates_args=())
 def _backward_op(grad_symbols: torch.Tensor, grad_relations: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  values: torch.Tensor, q_rel: torch.Tensor, k_rel: torch.Tensor, symbols: torch.Tensor,
-                 relations: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, causal: bool, scaling: float,
-                 relation_scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                   torch.Tensor]:
+                 relations: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, causal: bool, window: int,
+                 two_sided: bool, scaling: float, relation_scaling: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, q_len, d = query.shape
     h_kv, kv_len, R, d_r = key.shape[1], key.shape[2], q_rel.shape[2], q_rel.shape[3]
     grad_symbols, grad_relations = grad_symbols.contiguous(), grad_relations.contiguous()
     # D = <dSymbols, symbols> + <dRelations, relations>: [b, h, q]
     delta = ((grad_symbols.float() * symbols.float()).sum(-1) + (grad_relations.float() * relations.float()).sum(-1))
     delta = delta.transpose(1, 2).contiguous()
-    chunks, shared, constants = _launch(query, key, values, q_rel, k_rel, mask, causal)
+    chunks, shared, constants = _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided)
     f32 = dict(device=query.device, dtype=torch.float32)
     d_key, d_values = torch.empty(b, h, kv_len, d, **f32), torch.empty(b, h, kv_len, d, **f32)  # per query head
     d_k_rel, d_q_rel = torch.empty(chunks, b, kv_len, R, d_r, **f32), torch.empty(chunks, b, q_len, R, d_r, **f32)
@@ -471,8 +526,8 @@ def _backward_op(grad_symbols: torch.Tensor, grad_relations: torch.Tensor, query
 
 
 @_backward_op.register_fake
-def _(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, mask, causal, scaling,
-      relation_scaling):
+def _(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, mask, causal, window,
+      two_sided, scaling, relation_scaling):
     return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
 
 
@@ -481,16 +536,20 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scaling: float, relation_scaling: float,
-                            mask=None):
+                            mask=None, window: int | None = None, two_sided: bool = False):
     """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
     expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, one dtype (float32,
-    float16 or bfloat16) on CUDA (CPU under `TRITON_INTERPRET=1`); causal: receiver i sees senders j <= kv - q + i;
-    mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, on top of causal; a receiver without senders gets zeros and
-    zero gradients) -> attended symbols `[b, q, h, d_h]`, attended relations `[b, q, h, R]` (scaled by
-    `relation_scaling`). Differentiable w.r.t. the five inputs."""
-    _check_inputs(query, key, values, q_rel, k_rel, mask, causal)
+    float16 or bfloat16) on CUDA (CPU under `TRITON_INTERPRET=1`). Receiver i sits at position p = kv - q + i;
+    causal: it sees senders j <= p; window (None or a positive int): a sliding window as Transformers' mask functions,
+    p - window < j <= p (`sliding_window_causal_mask_function`) or, two_sided, |p - j| <= window
+    (`sliding_window_bidirectional_mask_function`), by index arithmetic; mask: None or bool `[b|1, 1, q|1, kv]` (True
+    = attend, on top of causal and window; a receiver without senders gets zeros and zero gradients) -> attended
+    symbols `[b, q, h, d_h]`, attended relations `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable w.r.t.
+    the five inputs."""
+    _check_inputs(query, key, values, q_rel, k_rel, mask, causal, window)
     symbols, relations, _ = _forward_op(*(_contiguous_last(t) for t in (query, key, values, q_rel, k_rel)), mask,
-                                        bool(causal), float(scaling), float(relation_scaling))
+                                        bool(causal), window or 0, bool(two_sided), float(scaling),
+                                        float(relation_scaling))
     return symbols, relations
 
 
@@ -498,15 +557,23 @@ def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scal
 def triton_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
                                 scaling, relation_scaling, dropout=0.0, **kwargs):
     """The `"triton"` backend (signature and outputs as `eager_relational_attention`). Inputs are cast to the
-    autocast dtype under autocast. With a mask, the mask alone decides who attends (as in the reference)."""
+    autocast dtype under autocast. With a mask, the mask alone decides who attends (as in the reference); a sliding
+    window over the whole sequence (`attention_mask.window`) goes to the kernel as its window and padding, never as a
+    dense mask."""
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, symbol_values, relation_queries, relation_keys = (
         t.to(dtype) for t in (query, key, symbol_values, relation_queries, relation_keys))
-    mask = attention_mask.mask
+    window = attention_mask.window
+    if window is None:
+        mask = attention_mask.mask
+        causal, window_args = attention_mask.is_causal and mask is None, {}
+    else:  # padding as a bool [b, 1, 1, kv] mask on top of the window
+        mask = None if window.padding is None else window.padding[:, None, None, :]
+        causal, window_args = attention_mask.is_causal, dict(window=window.window, two_sided=window.two_sided)
     attended_symbols, attended_relations = relational_attention_op(
-        query, key, symbol_values.expand(query.shape[0], -1, -1, -1), relation_queries, relation_keys,
-        attention_mask.is_causal and mask is None, scaling, relation_scaling, mask)
+        query, key, symbol_values.expand(query.shape[0], -1, -1, -1), relation_queries, relation_keys, causal,
+        scaling, relation_scaling, mask, **window_args)
     # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
     messages = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, module.relation_proj.to(dtype))
     return messages, None, None
@@ -529,9 +596,10 @@ def supports_triton(call: RelationalCall) -> str | None:
 
 
 def register():
-    """Register the `"triton"` backend, tried first on CUDA by automatic selection."""
+    """Register the `"triton"` backend, tried first on CUDA by automatic selection; it takes a long sliding window
+    over the whole sequence in one call."""
     RELATIONAL_ATTENTION_FUNCTIONS.register("triton", triton_relational_attention, supports_triton,
-                                            preferred_on=("cuda",))
+                                            preferred_on=("cuda",), takes_sliding_window=True)
 
 
 __all__ = ["INTERPRETED", "relational_attention_op", "register", "supports_triton", "triton_relational_attention"]
