@@ -9,7 +9,8 @@ the rest of the suite on ordinary (compiled) Triton. Here, in process:
 - Triton is installed where the dev extras install it (Linux x86-64), else these tests skip and say why;
 - the registration: backend `"triton"`, tried first on CUDA; outside the interpreter it declines CPU tensors, and it
   declines what it cannot run (float64, dropout, weights, relation activations, relative symbols, additive masks);
-- `import dat_hf` works and registers no `"triton"` backend when `triton` cannot be imported.
+- `import dat_hf` works and registers no `"triton"` backend when `triton` cannot be imported;
+- the kernels compile for sm_90 (H100, H200) ahead of time, as their first launch on such a GPU compiles them.
 """
 
 import os
@@ -92,3 +93,88 @@ def test_import_without_triton():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "['cpu', 'eager', 'flex_attention', 'sdpa']"
+
+
+# ---- compiled for the GPU, on this machine -----------------------------------------------------------------------
+HOPPER, HOPPER_SHARED_MEMORY = 90, 232448  # sm_90 (H100, H200): the most shared memory one block may use
+
+
+class _Launches:
+    """Stands in for an autotuned kernel: records each launch's arguments (by name) instead of running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({**dict(zip(self.kernel.fn.arg_names, args)), **kwargs})
+        return launch
+
+
+def _compile_for_hopper(kernel, arguments, config):
+    """`kernel` (autotuned) compiled ahead of time for sm_90 with one launch's arguments and one of its autotuning
+    configs, as its first launch on an H100/H200 would compile it -> Triton's compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, types = kernel.fn, {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.bool: "i1"}
+    values = {**arguments, **config.kwargs}
+    signature, constexprs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        value = values[name]
+        if index in fn.constexprs:
+            signature[name], constexprs[(index,)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + types[value.dtype]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", HOPPER, 32),
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def test_kernels_compile_for_hopper_at_the_343m_shapes(triton_kernel, monkeypatch):
+    """The forward and both backward kernels compile for sm_90 (PTX and SASS, with Triton's own ptxas) with the
+    arguments a bfloat16 training step of DAT-343M's relational heads launches them with (8 heads over 4 kv heads,
+    d_h 64, R 8, d_r 64), causal and as a padded sliding window, and every kernel has an autotuning config that fits
+    in an H100/H200 block's shared memory (the smallest and the largest config are compiled; shared memory grows with
+    the tile sizes); float32 (IEEE dots) and float16 compile too. Run on this CPU machine: a kernel that only the
+    interpreter has run (it never compiles) fails here, not on the first GPU."""
+    if triton_kernel.INTERPRETED:
+        pytest.skip("this process runs Triton's interpreter (TRITON_INTERPRET=1)")
+    kernels = {name: _Launches(getattr(triton_kernel, name))
+               for name in ("_forward_kernel", "_backward_dkv_kernel", "_backward_dq_kernel")}
+    for name, launches in kernels.items():
+        monkeypatch.setattr(triton_kernel, name, launches)
+
+    def launch_all(dtype, **options):  # one forward and one backward launch of each kernel
+        b, h, h_kv, n, d, R, d_r = 2, 8, 4, 64, 64, 8, 64
+        q, k, v = torch.randn(b, h, n, d, dtype=dtype), *torch.randn(2, b, h_kv, n, d, dtype=dtype)
+        q_rel, k_rel = torch.randn(2, b, n, R, d_r, dtype=dtype)
+        symbols, relations, lse = triton_kernel._forward_op(q, k, v, q_rel, k_rel, **options, scaling=0.125,
+                                                            relation_scaling=0.125)
+        triton_kernel._backward_op(symbols, relations, q, k, v, q_rel, k_rel, symbols, relations, lse, **options,
+                                   scaling=0.125, relation_scaling=0.125)
+
+    causal = dict(mask=None, causal=True, window=0, two_sided=False)
+    padding = torch.ones(2, 1, 1, 64, dtype=torch.bool).index_fill_(3, torch.arange(5), False)
+    window = dict(mask=padding, causal=False, window=16, two_sided=False)
+    launch_all(torch.bfloat16, **causal)
+    launch_all(torch.bfloat16, **window)
+    launch_all(torch.float32, **causal)
+    launch_all(torch.float16, **window)
+    for name, launches in kernels.items():
+        bf16_causal, bf16_window, fp32, fp16 = launches.launches
+        assert bf16_window["WINDOWED"] and bf16_window["HAS_MASK"] and fp32["PRECISION"] == "ieee"
+        smallest, largest = launches.kernel.configs[0], launches.kernel.configs[-1]
+        shared = {}
+        for config in (smallest, largest):  # the bfloat16 causal step
+            compiled = _compile_for_hopper(launches.kernel, bf16_causal, config)
+            assert compiled.asm["cubin"], (name, config)
+            shared[str(config)] = compiled.metadata.shared
+        assert shared[str(smallest)] <= HOPPER_SHARED_MEMORY, f"{name}: no config fits in shared memory: {shared}"
+        for arguments in (bf16_window, fp32, fp16):  # the other variants, with the smallest config
+            compiled = _compile_for_hopper(launches.kernel, arguments, smallest)
+            assert compiled.asm["cubin"], (name, arguments["PRECISION"])
+        print(f"{name}: shared memory {shared} bytes")
