@@ -5,7 +5,6 @@
 
 from transformers import (
     AutoConfig,
-    AutoImageProcessor,
     AutoModelForImageClassification,
     AutoModel,
     AutoModelForCausalLM,
@@ -13,6 +12,10 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 from transformers import AutoModelForSeq2SeqLM
+
+# from its module, not `transformers.AutoImageProcessor`: Transformers 5.17 files the Auto class under the torchvision
+# backend, so without torchvision the top-level name is a placeholder that raises ImportError
+from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from .configuration_dat import DATConfig, DATEncoderConfig, DualAttentionConfig
 from .modeling_dat import (

@@ -74,7 +74,11 @@ class InPlaceCacheLayer(DynamicLayer):
         self._buffers = tuple(buffers)
 
     def reset(self) -> None:
+        """Drop the keys, values and buffers (a view handed out earlier keeps its values; the next update starts
+        fresh buffers). Not zeroed in place, as Transformers 5.17's `DynamicLayer.reset` would do to the views."""
         self._buffers, self._length = None, 0
+        self.keys = self.values = None
+        self.is_initialized = False
         super().reset()
 
 

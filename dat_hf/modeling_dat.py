@@ -28,7 +28,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -221,6 +221,21 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
         hidden_states = layer(hidden_states, layer_symbols, sensory_mask=masks[sensory_bias],
                               relational_mask=masks[relational_bias], **layer_kwargs)
     return hidden_states
+
+
+def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
+    last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
+    `[b, k]`, per-sample positions (`[b, k, d]`); a 2D boolean `[b, n]`, the True positions, flattened to
+    `[true, d]`. The rules of `transformers.modeling_utils.slice_logits_to_keep`, which Transformers 5.17 does not
+    have."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden_states[:, logits_to_keep, :]
 
 
 def attentions_imply_relations(func):

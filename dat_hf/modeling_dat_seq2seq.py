@@ -31,7 +31,6 @@ from transformers.modeling_outputs import (
     Seq2SeqLMOutput,
     Seq2SeqModelOutput,
 )
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -63,6 +62,7 @@ from .modeling_dat import (
     make_norm,
     resolve_position_ids,
     run_dat_layers,
+    slice_logits_to_keep,
     starts_cache,
 )
 from .symbol_retrieval import SymbolRetrievers
@@ -397,11 +397,20 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
         return self._tied_mapping()
 
 
+def encoder_hidden_states_recorder() -> OutputRecorder:
+    """The encoder's hidden-state recorder: its layers are counted by `config.encoder_layers`, which resolves negative
+    `output_hidden_states` indices. Set as an attribute, not passed to the constructor: Transformers 5.17's
+    `OutputRecorder` has no `num_hidden_layers_key` field (and takes no negative indices), later versions read it."""
+    recorder = OutputRecorder(DATDecoderLayer, index=0)
+    recorder.num_hidden_layers_key = "encoder_layers"
+    return recorder
+
+
 class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     """The bidirectional DAT encoder. input_ids `[b, m]` -> last_hidden_state `[b, m, d]`."""
 
     _can_record_outputs = {
-        "hidden_states": OutputRecorder(DATDecoderLayer, index=0, num_hidden_layers_key="encoder_layers"),
+        "hidden_states": encoder_hidden_states_recorder(),
         "attentions": OutputRecorder(DualAttention, index=1),
         "relations": OutputRecorder(DualAttention, index=2),
     }

@@ -67,7 +67,12 @@ class DATText2TextPipeline(Pipeline):
         return self.tokenizer(text, return_tensors="pt", **(tokenizer_kwargs or {}))
 
     def _forward(self, model_inputs, **generate_kwargs):
-        generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
+        if hasattr(self, "_prepare_generate_kwargs"):
+            generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
+        elif "generation_config" not in generate_kwargs:
+            # Transformers 5.17: the pipeline holds the init's parameters and its defaults in `self.generation_config`
+            # (no `_prepare_generate_kwargs`); the call's parameters go on top of it in `generate`
+            generate_kwargs["generation_config"] = self.generation_config
         sequences = self.model.generate(input_ids=model_inputs["input_ids"],
                                         attention_mask=model_inputs.get("attention_mask"), **generate_kwargs)
         if not hasattr(sequences, "shape"):

@@ -31,3 +31,12 @@ def tiny_config(**overrides) -> DATConfig:
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+def enable_checkpointing(model):
+    """Turn on activation checkpointing: `activation_checkpointing_enable`, or on Transformers 5.17 (which has not
+    that name) `gradient_checkpointing_enable`, a deprecated alias of it in later versions."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_config
+from conftest import enable_checkpointing, tiny_config
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from dat_hf import DATForCausalLM, DATForSequenceClassification
@@ -193,12 +193,15 @@ def test_in_place_cache_layer_behaves_like_dynamic_layer():
     handed_out = []
 
     def step(op, *args):
+        nonlocal theirs
+        if op == "reset":  # a reset layer is a fresh one (Transformers 5.17's `DynamicLayer.reset` keeps zeroed keys)
+            ours.reset()
+            assert ours.keys is None and ours.values is None and not ours.is_initialized
+            theirs = DynamicLayer()
+            return None
         out = None
         for layer in (ours, theirs):
             out = getattr(layer, op)(*args) if op != "reorder" else layer.batch_select_indices(args[0])
-        if op == "reset":
-            assert ours.keys is None and theirs.keys is None
-            return out
         if op == "update":
             handed_out.append((ours.keys, ours.values, ours.keys.clone(), ours.values.clone()))
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), op
@@ -407,13 +410,6 @@ def test_output_attentions_with_left_padding():
 # ---- activation checkpointing -----------------------------------------------------------------------------------
 
 
-def _enable_checkpointing(model):
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable()
-    else:  # pragma: no cover - older Transformers
-        model.gradient_checkpointing_enable()
-
-
 @pytest.mark.parametrize("name,extra", [("symbolic_rope", {}), ("relu_relations", {}),
                                         ("relative_rope", dict(hidden_dropout=0.1, attention_dropout=0.1))])
 def test_activation_checkpointing_same_loss_and_grads(name, extra):
@@ -422,7 +418,7 @@ def test_activation_checkpointing_same_loss_and_grads(name, extra):
     for checkpointing in (False, True):
         model = make_model(**CONFIGS[name], **extra).train()
         if checkpointing:
-            _enable_checkpointing(model)
+            enable_checkpointing(model)
         calls = []
         hook = model.model.layers[0].dual_attn.register_forward_hook(lambda *a: calls.append(1))
         torch.manual_seed(123)  # same dropout masks (checkpointing must preserve the RNG state on recompute)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import enable_checkpointing
 
 import dat_hf
 from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig, DATSeq2SeqModel
@@ -289,7 +290,7 @@ def test_data_collator_for_seq2seq_and_gradient_checkpointing():
     assert batch["decoder_input_ids"][:, 0].tolist() == [3, 3]
     assert torch.equal(batch["decoder_input_ids"][:, 1:], batch["labels"][:, :-1].clamp(min=0))
     model.train()
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)
     loss = model(**batch).loss
     loss.backward()
     assert torch.isfinite(loss)

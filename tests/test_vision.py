@@ -375,7 +375,7 @@ def test_translating_content_keeps_interior_outputs(symbol_retrieval, equivarian
 # ---- image processor and pipeline ----------------------------------------------------------------------------------
 def test_image_processor_channels_and_sizes(tmp_path):
     from PIL import Image
-    from transformers import AutoImageProcessor
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor  # see dat_hf/__init__.py
 
     rgb = Image.fromarray((np.random.RandomState(0).rand(20, 24, 3) * 255).astype(np.uint8))
     gray = rgb.convert("L")

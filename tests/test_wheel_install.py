@@ -132,7 +132,8 @@ def test_demo_runs_from_the_wheel(wheel_env, scripts_copy, tmp_path):
 
 def test_image_classification_script_runs_from_the_wheel(wheel_env, scripts_copy, tmp_path):
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageClassification
+    from transformers import AutoModelForImageClassification
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor  # see dat_hf/__init__.py
 
     python, _, env, _ = wheel_env
     rng = np.random.RandomState(0)
