@@ -111,6 +111,22 @@ class _Launches:
         return launch
 
 
+def test_autotuning_can_be_fixed_to_one_config(triton_kernel):
+    """`DAT_HF_TRITON_AUTOTUNE=0` leaves each kernel one config (the smallest), so checks over many shapes compile
+    each shape once instead of once per config; by default every config is tried."""
+    script = ("from dat_hf.kernels import triton_relational as k; "
+              "print([len(getattr(k, n).configs) for n in ('_forward_kernel', '_backward_dkv_kernel', "
+              "'_backward_dq_kernel')], k._forward_kernel.configs[0].kwargs)")
+    counts = {}
+    for value in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"DAT_HF_TRITON_AUTOTUNE": value}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        counts[value] = out.stdout.strip().splitlines()[-1]
+    assert counts["0"] == "[1, 1, 1] {'BLOCK_M': 16, 'BLOCK_N': 16}", counts
+    assert counts["1"].startswith("[7, 6, 7]"), counts
+
+
 def _compile_for_hopper(kernel, arguments, config):
     """`kernel` (autotuned) compiled ahead of time for sm_90 with one launch's arguments and one of its autotuning
     configs, as its first launch on an H100/H200 would compile it -> Triton's compiled kernel."""

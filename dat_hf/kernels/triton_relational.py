@@ -38,8 +38,9 @@ At the authors' 343M shapes (h 8, d_h 64, R 8, d_r 64) the forward costs 1024 + 
 with queries padded to the value width (`sdpa`) cost 2 h (d_h + R d_r) = 9216. The h R work runs on CUDA cores: with
 many relations (the 1.27B config: h 16, R 128, d_r 8) it dominates, and the per-relation loops hold `[HEADS, BLOCK_M,
 R]` accumulators. Batched (3-D) `tl.dot` is, to our knowledge, lowered to mma.sync rather than Hopper's wgmma (not
-measured). Block sizes are autotuned on the GPU (BLOCK_M 16-64, BLOCK_N 16-64, 4-8 warps, 1-3 stages); the interpreter
-runs 16 x 32 blocks. Head and relation dims are padded to powers of two of at least 16 (the smallest `tl.dot`), the
+measured). Block sizes are autotuned on the GPU (BLOCK_M 16-64, BLOCK_N 16-64, 4-8 warps, 1-3 stages), or fixed to the
+smallest config with `DAT_HF_TRITON_AUTOTUNE=0` (checks of many shapes: one compilation per shape, not one per config);
+the interpreter runs 16 x 32 blocks. Head and relation dims are padded to powers of two of at least 16 (the smallest `tl.dot`), the
 relation count to a power of two.
 
 Dtypes: float32 (dots in IEEE precision, not TF32), float16, bfloat16, with float32 accumulation and softmax.
@@ -68,10 +69,12 @@ _TUNING_KEY = ["HEADS", "GROUPS", "HEAD_DIM", "NUM_RELATIONS", "RELATION_DIM", "
 
 
 def _configs(shapes):
-    """Autotuning configs (BLOCK_M, BLOCK_N, warps, stages) on the GPU; one small config under the interpreter (which
-    ignores warps and stages)."""
+    """Autotuning configs (BLOCK_M, BLOCK_N, warps, stages) on the GPU (the first only with `DAT_HF_TRITON_AUTOTUNE=0`);
+    one small config under the interpreter (which ignores warps and stages)."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
+    if os.environ.get("DAT_HF_TRITON_AUTOTUNE", "1") == "0":
+        shapes = shapes[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
