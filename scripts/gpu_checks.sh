@@ -19,8 +19,8 @@ OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 BENCH=(python3 scripts/benchmark.py)
 CUDA=(--device cuda --dtype bf16 --preset dat-343m --impls dat_hf llama --threads 8)
@@ -54,8 +54,8 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage kernel env DAT_HF_TRITON_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider \
                 tests/triton_kernel_checks.py || status=1 ;;
         fsdp)
-            stage fsdp env DAT_HF_FSDP_DEVICE=cuda DAT_HF_TRITON_AUTOTUNE=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_fsdp.py \
-                -k sharded_by_hand || status=1 ;;
+            stage fsdp env DAT_HF_FSDP_DEVICE=cuda DAT_HF_TRITON_AUTOTUNE=0 python3 -m pytest -q -s \
+                -p no:cacheprovider tests/test_fsdp.py -k sharded_by_hand || status=1 ;;
         sdpa)
             stage sdpa "${BENCH[@]}" train "${CUDA[@]}" --impls dat_hf --relational-backend sdpa --seq 4096 \
                 --steps 3 --out "$OUT/sdpa" || status=1 ;;
