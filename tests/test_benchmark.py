@@ -72,11 +72,12 @@ def test_benchmark_generate_smoke(tmp_path):
 
 def test_benchmark_compiled_generate_options_smoke(tmp_path):
     """`generate --compile` with inductor options (the C++ wrapper) and unguarded compiled steps runs end to end for
-    both models, and reports the forward alone beside the step."""
+    both models, also with SDPA restricted to fused kernels (as on CUDA: one graph under `sdpa_kernel`), and reports
+    the forward alone beside the step."""
     cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "generate", "--impls", "dat_hf", "llama",
            "--prompt", "6", "--new-tokens", "4", "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64",
            "--max-len", "64", "--threads", "1", "--compile", "--compile-options", "cpp_wrapper=True", "--skip-guards",
-           "--out", str(tmp_path)]
+           "--sdpa-math", "forbid", "--out", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "compiled with cpp_wrapper=True, guards skipped" in result.stdout
@@ -84,7 +85,7 @@ def test_benchmark_compiled_generate_options_smoke(tmp_path):
     assert report["args"]["compile_options"] == ["cpp_wrapper=True"] and report["args"]["skip_guards"]
     results = report["results"]["6"]
     for impl in ("dat_hf", "llama"):
-        assert results[impl]["errors"] == [], results[impl]
+        assert results[impl]["errors"] == [] and results[impl]["runs"][0]["sdpa_math"] == "forbidden", results[impl]
         assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
 
 
