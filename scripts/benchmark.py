@@ -156,6 +156,11 @@ def flop_ratio(args, seq, backend, window=None):
 
 
 # ---- workers (one measurement per process) -----------------------------------------------------------------------
+def fused_sdpa_only(args) -> bool:
+    """`--sdpa-math forbid`, or no `--sdpa-math` on CUDA."""
+    return (args.sdpa_math or ("forbid" if args.device.startswith("cuda") else "allow")) == "forbid"
+
+
 class Device:
     """Where a worker runs: `sync()` before reading a clock; peak memory = max RSS on CPU, the allocator's peak on
     CUDA; `autocast()` for `--dtype bf16` (fp32 weights, bf16 matmuls); `attention()` around the model's calls, which
@@ -167,7 +172,7 @@ class Device:
 
         self.torch, self.name, self.bf16 = torch, args.device, args.dtype == "bf16"
         self.cuda = torch.device(args.device).type == "cuda"
-        self.fused_sdpa_only = (args.sdpa_math or ("forbid" if self.cuda else "allow")) == "forbid"
+        self.fused_sdpa_only = fused_sdpa_only(args)
 
     def sync(self):
         if self.cuda:
@@ -201,8 +206,8 @@ class Device:
         except RuntimeError as error:
             if "No available kernel" not in str(error):
                 raise
-            raise RuntimeError("scaled_dot_product_attention found no fused kernel for a call, and its math fallback is "
-                               f"forbidden (--sdpa-math forbid): {error}") from error
+            raise RuntimeError("scaled_dot_product_attention found no fused kernel for a call, and its math fallback "
+                               f"is forbidden (--sdpa-math forbid): {error}") from error
 
     def record(self):
         """What a worker reports about its device."""
@@ -394,8 +399,7 @@ def run_worker(mode, impl, args, **extra):
 
 
 def sdpa_note(args):
-    forbid = (args.sdpa_math or ("forbid" if args.device.startswith("cuda") else "allow")) == "forbid"
-    return ", SDPA fused kernels only (math fallback forbidden)" if forbid else ""
+    return ", SDPA fused kernels only (math fallback forbidden)" if fused_sdpa_only(args) else ""
 
 
 def progress(message):
@@ -495,9 +499,8 @@ def main_generate(args):
             ", guards skipped" if args.skip_guards else "") + ", "
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
           f"{args.dtype}, {compiled}{args.cache if not args.compile else 'static'} cache{sdpa_note(args)}); decode = "
-          "median ms per step "
-          "after the prompt, forward = median ms of the model forward alone in those steps (the rest of a step is "
-          "generate's loop), with prompt = total time / new tokens")
+          "median ms per step after the prompt, forward = median ms of the model forward alone in those steps (the "
+          "rest of a step is generate's loop), with prompt = total time / new tokens")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
     others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'forward ms':>11} {'with prompt':>12} {'prefill s':>10}"
