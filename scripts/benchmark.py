@@ -67,15 +67,28 @@ def llama_config(config):
 
 
 def reference_model(config):
-    """The authors' language model with the small benchmark model's options (the conversion gives dat_hf's weights)."""
+    """The authors' language model with the benchmark config's shapes (the small model, or a preset's at `--layers`
+    depth; its feed-forward layers always have biases); `dat_hf.from_reference_model` gives dat_hf its weights."""
     from dual_attention.language_models import DualAttnTransformerLM
 
+    for field, supported in (("symbol_retrieval", "symbolic_attention"), ("position_embedding_type", "rope")):
+        if getattr(config, field) != supported:
+            raise ValueError(f"the benchmark builds the reference with {field}={supported!r} only, not "
+                             f"{getattr(config, field)!r}")
+    attention = dict(add_bias_kv=config.attention_bias, add_bias_out=config.attention_out_bias)
     return DualAttnTransformerLM(
         vocab_size=config.vocab_size, d_model=config.hidden_size, n_layers=config.num_hidden_layers,
         n_heads_sa=config.num_sensory_heads, n_heads_ra=config.num_relational_heads, dff=config.intermediate_size,
-        dropout_rate=0.0, activation="swiglu", norm_first=True, max_block_size=config.max_position_embeddings,
-        norm_type="rmsnorm", pos_enc_type="RoPE", symbol_retrieval="symbolic_attention",
-        symbol_retrieval_kwargs=dict(d_model=config.hidden_size, n_heads=4, n_symbols=64),
+        dropout_rate=0.0, activation=config.hidden_act, norm_first=config.pre_norm,
+        max_block_size=config.max_position_embeddings, norm_type=config.norm_type, pos_enc_type="RoPE",
+        sa_kwargs=dict(n_kv_heads=config.num_sensory_key_value_heads, **attention),
+        ra_kwargs=dict(n_kv_heads=config.num_relational_key_value_heads, n_relations=config.num_relations,
+                       rel_proj_dim=config.relation_dim, rel_activation=config.relation_activation,
+                       symmetric_rels=config.symmetric_relations, **attention),
+        symbol_retrieval="symbolic_attention",
+        symbol_retrieval_kwargs=dict(d_model=config.hidden_size, n_heads=config.symbolic_attention_heads,
+                                     n_symbols=config.num_symbols),
+        symbol_retriever_config=dict(shared_symbol_retriever=config.shared_symbol_retriever),
     )
 
 
@@ -90,9 +103,7 @@ def build(impl, args, max_len):
         llama = llama_config(config)
         llama._attn_implementation = args.attn
         return LlamaForCausalLM(llama)
-    if impl == "reference" or not args.preset:  # dat_hf converted from the reference: the same weights
-        if args.preset:
-            raise ValueError("the reference is measured on the small benchmark model only (no --preset)")
+    if impl == "reference" or not args.preset or args.from_reference:  # dat_hf converted: the reference's weights
         reference = reference_model(config)
         if impl == "reference":
             return reference
@@ -249,6 +260,7 @@ def worker_train(args):
     peak = device.memory_gib()
     # net = what training added on top of the process after the model was built (activations, gradients, AdamW)
     print(json.dumps({"time_s": statistics.median(times), "peak_gib": peak, "net_gib": peak - base,
+                      "parameters": sum(p.numel() for p in model.parameters()),
                       "relational_backend": relational_backend(model), **device.record(),
                       "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}))
 
@@ -697,6 +709,7 @@ def parser():
                           "does, so large activations are not mapped and page-faulted again every step")
     p.add_argument("--out", default=None, help="folder for the JSON (and the PNG of `train`)")
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)  # (workers)
+    p.add_argument("--from-reference", action="store_true", help=argparse.SUPPRESS)  # (workers: dat_hf converted)
     return p
 
 
@@ -705,6 +718,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if "baseline" in args.impls and not args.baseline:
         p.error("--impls baseline needs --baseline DIR")
+    if args.mode in ("train", "generate"):  # a preset's dat_hf gets the reference's weights when both are measured
+        args.from_reference = "reference" in args.impls
     if args.mode == "_train":  # one measurement (`run_worker` starts these)
         args.seq = args.seq[0]
         return worker_train(args)

@@ -10,6 +10,9 @@
 #            head_dim + R * d_r): does SDPA keep a fused kernel at that width (the run fails if it needs the math one)
 #   train    343M shapes, bf16, train step and peak memory vs Llama at 1024, 2048, 4096 and 8192 tokens
 #   decode   343M, bf16, ms/token after 1k and 8k prompts (dynamic cache), then compiled static-cache decoding
+#   reference  343M shapes, bf16: dat_hf (converted weights) vs the authors' `dual-attention`, train step at 1024-4096
+#            and decoding after a 1k prompt; needs its wheels in .whl/ if the machine lacks the package:
+#            `pip download --no-deps -d .whl dual_attention==0.0.7 einops` (carried as an ignored path)
 #
 # SDPA's math fallback is forbidden in every benchmark run on CUDA (`--sdpa-math forbid`, the default there): a call
 # that needs it fails the run and the table says so. Wheels in .whl/ (packages the machine lacks or has too old) are
@@ -67,8 +70,13 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
                 --out "$OUT/decode" || status=1
             stage decode_compiled "${BENCH[@]}" generate "${CUDA[@]}" --prompt 1024 --new-tokens 128 --compile \
                 --out "$OUT/decode_compiled" || status=1 ;;
+        reference)
+            stage reference "${BENCH[@]}" train "${CUDA[@]}" --impls dat_hf reference --seq 1024 2048 4096 \
+                --reference-max-seq 4096 --steps 3 --out "$OUT/reference" || status=1
+            stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
+                --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode)" >&2
+            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, reference)" >&2
             status=2 ;;
     esac
 done

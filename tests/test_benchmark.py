@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,35 @@ def test_benchmark_train_smoke(tmp_path):
     ratio = results["dat_hf"]["ratios"]["time_s/llama"]
     assert ratio["pairs"] == [results["dat_hf"]["runs"][0]["time_s"] / results["llama"]["runs"][0]["time_s"]]
     assert (tmp_path / "train_scaling.png").stat().st_size > 0
+
+
+def test_a_presets_shapes_with_the_reference(tmp_path):
+    """`--preset` beside the reference: the authors' model gets the preset's shapes (GQA, symbols, FFN width) and
+    dat_hf its converted weights, in process (equal logits) and in the workers (equal parameter counts)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    args = benchmark.parser().parse_args(["train", "--preset", "dat-tiny", "--layers", "2", "--impls", "dat_hf",
+                                          "reference"])
+    args.from_reference = True
+    reference, ours = benchmark.build("reference", args, 64).eval(), benchmark.build("dat_hf", args, 64).eval()
+    assert (ours.config.num_symbols, ours.config.intermediate_size, ours.config.num_hidden_layers) == (32, 341, 2)
+    x = torch.randint(0, ours.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert (reference(x)[0] - ours(x).logits).abs().max() < 1e-5
+
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "train", "--preset", "dat-tiny", "--layers", "1",
+           "--impls", "dat_hf", "reference", "llama", "--seq", "16", "--steps", "1", "--batch", "1", "--threads", "1",
+           "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    results = json.loads((tmp_path / "train.json").read_text())["results"]["16"]
+    for impl in ("dat_hf", "reference", "llama"):
+        assert results[impl]["errors"] == [] and results[impl]["time_s"] > 0, results[impl]
+    counts = {impl: results[impl]["runs"][0]["parameters"] for impl in results}
+    assert counts["dat_hf"] == counts["reference"] != counts["llama"], counts
 
 
 def test_benchmark_heap_only_malloc_reaches_the_workers(tmp_path):

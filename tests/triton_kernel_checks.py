@@ -11,6 +11,8 @@ CUDA machine, run them directly with compiled kernels: `python -m pytest tests/t
   query, a mask that isolates receivers (zeros and zero gradients, no NaN);
 - the op's sliding window (one- and two-sided, with and without padding, windows of 1, within, equal to and beyond a
   tile) against the reference with Transformers' window mask, isolated receivers zero;
+- the loops of the three kernels walk exactly the tiles that hold a visible pair (causal, sliding windows, after a
+  cache), no fewer and no more;
 - float16 and bfloat16 values and gradients against the float64 reference on the same rounded inputs;
 - decoding steps (one receiver, no gradients) through the backend, with padding;
 - models: a tiny `DATForCausalLM` with `relational_attn_implementation="triton"` gives the `eager` backend's logits
@@ -22,6 +24,8 @@ CUDA machine, run them directly with compiled kernels: `python -m pytest tests/t
 import pytest
 import test_relational_backends as matrix
 import torch
+import triton
+import triton.language as tl
 from conftest import tiny_config
 from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
                               reference_parts, right_padding)
@@ -32,6 +36,7 @@ from transformers.masking_utils import sliding_window_bidirectional_mask_functio
 import dat_hf.masking_dat as masking_dat
 from dat_hf import DATEncoderConfig, DATForCausalLM, DATForTokenClassification
 from dat_hf.kernels import triton_relational as kernel
+from dat_hf.kernels.triton_relational import _receiver_range, _sender_range
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.relational_attention import eager_relational_attention
 
@@ -202,6 +207,62 @@ def test_op_sliding_window_matches_reference(case):
     assert isolated.any() == (padding is not None)
     assert (got[0][isolated] == 0).all() and (got[1][isolated] == 0).all()
     assert (grads[0].transpose(1, 2)[isolated] == 0).all() and (grads[3][isolated] == 0).all()
+
+
+@triton.jit
+def _loop_bounds(SENDERS, RECEIVERS, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr,
+                 WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program t writes [start, end) of the sender loop of receiver tile t (forward, dQ) and of the receiver loop of
+    sender tile t (dKV)."""
+    tile = tl.program_id(0)
+    pair = tl.arange(0, 2)
+    start, end = _sender_range(tile * BLOCK_M, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M,
+                               BLOCK_N)
+    tl.store(SENDERS + 2 * tile + pair, tl.where(pair == 0, start, end))
+    start, end = _receiver_range(tile * BLOCK_N, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M,
+                                 BLOCK_N)
+    tl.store(RECEIVERS + 2 * tile + pair, tl.where(pair == 0, start, end))
+
+
+def test_loops_walk_exactly_the_tiles_with_visible_pairs():
+    """The kernels' loop bounds under causal order and a sliding window (one- and two-sided, after a cache, one
+    receiver) are tight and complete: a receiver tile's sender loop walks exactly the sender tiles holding a pair that
+    Transformers' mask functions let it see, and a sender tile's receiver loop exactly the receiver tiles that see it
+    (none for senders that no receiver sees). (A bound that walks extra tiles gives right values and only costs time,
+    so the value checks above cannot catch it.)"""
+    def tiles(start, end, size):
+        assert start % size == 0, (start, size)  # loops start on a tile boundary
+        return set(range(start // size, triton.cdiv(end, size))) if end > start else set()
+
+    checked = 0
+    for q_len, kv_len in ((40, 40), (70, 70), (20, 45), (1, 45), (33, 100)):
+        position = torch.arange(q_len)[:, None] + kv_len - q_len
+        for window, two_sided, causal in [(None, False, True), (None, False, False)] + [
+                (w, s, c) for w in (1, 7, 16, 32, 33, 200) for s in (False, True) for c in (True, False)]:
+            visible = torch.ones(q_len, kv_len, dtype=torch.bool)
+            if causal:
+                visible &= torch.arange(kv_len)[None, :] <= position
+            lo = hi = 0
+            if window:
+                make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
+                visible &= make(window)(None, None, position, torch.arange(kv_len)[None, :])
+                lo, hi = (window, window) if two_sided else (window - 1, 0)  # as the op passes them
+            for block_m, block_n in ((16, 32), (64, 32), (32, 64)):
+                m_tiles, n_tiles = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
+                senders = torch.zeros(max(m_tiles, n_tiles), 2, dtype=torch.int32, device=DEVICE)
+                receivers = torch.zeros_like(senders)
+                _loop_bounds[(max(m_tiles, n_tiles),)](senders, receivers, q_len, kv_len, lo, hi, CAUSAL=causal,
+                                                       WINDOWED=bool(window), BLOCK_M=block_m, BLOCK_N=block_n)
+                case = (q_len, kv_len, window, two_sided, causal, block_m, block_n)
+                pairs = visible.nonzero()
+                for t, (start, end) in enumerate(senders[:m_tiles].tolist()):
+                    rows = pairs[(pairs[:, 0] // block_m) == t]
+                    assert tiles(start, end, block_n) == set((rows[:, 1] // block_n).tolist()), (case, "senders", t)
+                for t, (start, end) in enumerate(receivers[:n_tiles].tolist()):
+                    cols = pairs[(pairs[:, 1] // block_n) == t]
+                    assert tiles(start, end, block_m) == set((cols[:, 0] // block_m).tolist()), (case, "receivers", t)
+                checked += 1
+    assert checked == 5 * 26 * 3
 
 
 def test_strided_query():
