@@ -471,7 +471,7 @@ def main_train(args):
 
     table = measure("train", args, args.seq, "seq", ("time_s", "peak_gib", "net_gib"), skip)
     for seq, row in table.items():
-        if "dat_hf" in row and "llama" in row:
+        if "dat_hf" in row and "llama" in row and row["dat_hf"]["time_s"] is not None:  # (not for a failed run)
             row["dat_hf"]["flop_ratio/llama"] = flop_ratio(args, seq, row["dat_hf"]["relational_backend"],
                                                            args.window if args.relational_bias != "causal" else None)
     config = dat_config(args, max(args.seq))

@@ -10,6 +10,9 @@
 #            head_dim + R * d_r): does SDPA keep a fused kernel at that width (the run fails if it needs the math one)
 #   train    343M shapes, bf16, train step and peak memory vs Llama at 1024, 2048, 4096 and 8192 tokens
 #   decode   343M, bf16, ms/token after 1k and 8k prompts (dynamic cache), then compiled static-cache decoding
+#   flex     the flex_attention backends on CUDA (tests/flex_attention_checks.py: models vs eager, values and
+#            gradients, every relational bias; generation; 343M shapes compile in bf16)
+#   flex_train  343M shapes, bf16: train step vs Llama with every head on FlexAttention, 2048 and 4096 tokens
 #   reference  343M shapes, bf16: dat_hf (converted weights) vs the authors' `dual-attention`, train step at 1024-4096
 #            and decoding after a 1k prompt; needs its wheels in .whl/ if the machine lacks the package:
 #            `pip download --no-deps -d .whl dual_attention==0.0.7 einops` (carried as an ignored path)
@@ -70,13 +73,18 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
                 --out "$OUT/decode" || status=1
             stage decode_compiled "${BENCH[@]}" generate "${CUDA[@]}" --prompt 1024 --new-tokens 128 --compile \
                 --out "$OUT/decode_compiled" || status=1 ;;
+        flex)
+            stage flex python3 -m pytest -q -s -p no:cacheprovider tests/flex_attention_checks.py || status=1 ;;
+        flex_train)
+            stage flex_train "${BENCH[@]}" train "${CUDA[@]}" --attn flex_attention --relational-backend flex_attention \
+                --seq 2048 4096 --steps 3 --out "$OUT/flex_train" || status=1 ;;
         reference)
             stage reference "${BENCH[@]}" train "${CUDA[@]}" --impls dat_hf reference --seq 1024 2048 4096 \
                 --reference-max-seq 4096 --steps 3 --out "$OUT/reference" || status=1
             stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
                 --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, reference)" >&2
+            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, flex, flex_train, reference)" >&2
             status=2 ;;
     esac
 done
