@@ -9,16 +9,31 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+TINY = ("--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64", "--threads", "1")
+
+
+def run_benchmark(out, mode, *args, timeout=300, env=None):
+    """`scripts/benchmark.py MODE ARGS --out OUT` in a child process -> (its stdout, its JSON report)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), mode, *args, "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, json.loads((Path(out) / f"{mode}.json").read_text())
+
+
+def benchmark_module():
+    """scripts/benchmark.py imported as a module."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return benchmark
 
 
 def test_benchmark_train_smoke(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "train", "--seq", "32", "--steps", "1",
-           "--batch", "1", "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64",
-           "--threads", "1", "--mmap-threshold", "131072", "--out", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "MALLOC_MMAP_THRESHOLD_=131072" in result.stdout
-    report = json.loads((tmp_path / "train.json").read_text())
+    stdout, report = run_benchmark(tmp_path, "train", "--seq", "32", "--steps", "1", "--batch", "1", *TINY,
+                                   "--mmap-threshold", "131072")
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in stdout
     assert report["args"]["mmap_threshold"] == 131072
     results = report["results"]["32"]
     for impl in ("dat_hf", "reference", "llama"):
@@ -32,11 +47,7 @@ def test_benchmark_train_smoke(tmp_path):
 def test_a_presets_shapes_with_the_reference(tmp_path):
     """`--preset` beside the reference: the authors' model gets the preset's shapes (GQA, symbols, FFN width) and
     dat_hf its converted weights, in process (equal logits) and in the workers (equal parameter counts)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import benchmark
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    benchmark = benchmark_module()
     args = benchmark.parser().parse_args(["train", "--preset", "dat-tiny", "--layers", "2", "--impls", "dat_hf",
                                           "reference"])
     args.from_reference = True
@@ -46,12 +57,9 @@ def test_a_presets_shapes_with_the_reference(tmp_path):
     with torch.no_grad():
         assert (reference(x)[0] - ours(x).logits).abs().max() < 1e-5
 
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "train", "--preset", "dat-tiny", "--layers", "1",
-           "--impls", "dat_hf", "reference", "llama", "--seq", "16", "--steps", "1", "--batch", "1", "--threads", "1",
-           "--out", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    results = json.loads((tmp_path / "train.json").read_text())["results"]["16"]
+    _, report = run_benchmark(tmp_path, "train", "--preset", "dat-tiny", "--layers", "1", "--impls", "dat_hf",
+                              "reference", "llama", "--seq", "16", "--steps", "1", "--batch", "1", "--threads", "1")
+    results = report["results"]["16"]
     for impl in ("dat_hf", "reference", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["time_s"] > 0, results[impl]
     counts = {impl: results[impl]["runs"][0]["parameters"] for impl in results}
@@ -59,23 +67,17 @@ def test_a_presets_shapes_with_the_reference(tmp_path):
 
 
 def test_benchmark_heap_only_malloc_reaches_the_workers(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "train", "--impls", "dat_hf", "--seq", "32",
-           "--steps", "1", "--batch", "1", "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64",
-           "--max-len", "64", "--threads", "1", "--malloc", "heap", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr
-    assert "heap-only malloc (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736)" in result.stdout
-    run = json.loads((tmp_path / "train.json").read_text())["results"]["32"]["dat_hf"]["runs"][0]
+    stdout, report = run_benchmark(tmp_path, "train", "--impls", "dat_hf", "--seq", "32", "--steps", "1", "--batch",
+                                   "1", *TINY, "--malloc", "heap", env=env)
+    assert "heap-only malloc (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736)" in stdout
+    run = report["results"]["32"]["dat_hf"]["runs"][0]
     assert run["malloc_env"] == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
 def test_pair_ratios_pair_repetitions_and_skip_missing_runs():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from benchmark import pair_ratios, ratio_cell
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    benchmark = benchmark_module()
+    pair_ratios, ratio_cell = benchmark.pair_ratios, benchmark.ratio_cell
     runs = {"dat_hf": [{"t": 3.0}, {"t": 2.0}, {"t": 5.0}, {"t": 4.0}],
             "llama": [{"t": 2.0}, {"t": 2.0}, {}, {"error": "failed"}]}
     ratio = pair_ratios(runs, "dat_hf", "llama", "t")
@@ -85,12 +87,8 @@ def test_pair_ratios_pair_repetitions_and_skip_missing_runs():
 
 
 def test_benchmark_generate_smoke(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "generate", "--prompt", "6", "--new-tokens", "3",
-           "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64", "--threads", "1",
-           "--out", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    results = json.loads((tmp_path / "generate.json").read_text())["results"]["6"]
+    stdout, report = run_benchmark(tmp_path, "generate", "--prompt", "6", "--new-tokens", "3", *TINY)
+    results = report["results"]["6"]
     for impl in ("dat_hf", "reference", "llama"):
         assert results[impl]["errors"] == [], results[impl]
         assert results[impl]["decode_ms_per_token"] > 0 and results[impl]["ms_per_token"] > 0, results[impl]
@@ -98,21 +96,17 @@ def test_benchmark_generate_smoke(tmp_path):
     for impl in ("dat_hf", "llama"):  # the model forward alone, within the decoding step
         assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
     assert results["reference"]["forward_ms_per_token"] is None
-    assert "decode/llama" in result.stdout and "forward/llama" in result.stdout
+    assert "decode/llama" in stdout and "forward/llama" in stdout
 
 
 def test_benchmark_compiled_generate_options_smoke(tmp_path):
     """`generate --compile` with inductor options (the C++ wrapper) and unguarded compiled steps runs end to end for
     both models, also with SDPA restricted to fused kernels (as on CUDA: one graph under `sdpa_kernel`), and reports
     the forward alone beside the step."""
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "generate", "--impls", "dat_hf", "llama",
-           "--prompt", "6", "--new-tokens", "4", "--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64",
-           "--max-len", "64", "--threads", "1", "--compile", "--compile-options", "cpp_wrapper=True", "--skip-guards",
-           "--sdpa-math", "forbid", "--out", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert "compiled with cpp_wrapper=True, guards skipped" in result.stdout
-    report = json.loads((tmp_path / "generate.json").read_text())
+    stdout, report = run_benchmark(tmp_path, "generate", "--impls", "dat_hf", "llama", "--prompt", "6",
+                                   "--new-tokens", "4", *TINY, "--compile", "--compile-options", "cpp_wrapper=True",
+                                   "--skip-guards", "--sdpa-math", "forbid", timeout=600)
+    assert "compiled with cpp_wrapper=True, guards skipped" in stdout
     assert report["args"]["compile_options"] == ["cpp_wrapper=True"] and report["args"]["skip_guards"]
     results = report["results"]["6"]
     for impl in ("dat_hf", "llama"):
@@ -121,11 +115,7 @@ def test_benchmark_compiled_generate_options_smoke(tmp_path):
 
 
 def test_compile_options_parse_literals():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from benchmark import compile_options
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    compile_options = benchmark_module().compile_options
     assert compile_options(["cpp_wrapper=True", "cpp.threads=2", "cpp.simdlen=None", "mode=fast"]) == {
         "cpp_wrapper": True, "cpp.threads": 2, "cpp.simdlen": None, "mode": "fast"}
     assert compile_options(None) == {}
@@ -135,21 +125,15 @@ def test_benchmark_bf16_options_smoke(tmp_path):
     """`--dtype bf16` (autocast in training, bf16 weights in generation) with SDPA's math fallback forbidden (the
     default on CUDA) runs end to end; on this CPU machine it stands in for the `--device cuda --dtype bf16` run made on
     a GPU machine (CPU's fused SDPA kernel is flash attention)."""
-    common = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--ffn", "64", "--max-len", "64", "--threads", "1",
-              "--impls", "dat_hf", "llama", "--device", "cpu", "--dtype", "bf16", "--sdpa-math", "forbid"]
-    script = str(REPO / "scripts" / "benchmark.py")
-    train = subprocess.run([sys.executable, script, "train", "--seq", "32", "--steps", "1", "--batch", "1", *common,
-                            "--out", str(tmp_path / "train")], capture_output=True, text=True, timeout=300)
-    assert train.returncode == 0, train.stderr
-    assert "cpu bf16" in train.stdout and "SDPA fused kernels only (math fallback forbidden)" in train.stdout
-    results = json.loads((tmp_path / "train" / "train.json").read_text())["results"]["32"]
+    common = [*TINY, "--impls", "dat_hf", "llama", "--device", "cpu", "--dtype", "bf16", "--sdpa-math", "forbid"]
+    stdout, report = run_benchmark(tmp_path / "train", "train", "--seq", "32", "--steps", "1", "--batch", "1", *common)
+    assert "cpu bf16" in stdout and "SDPA fused kernels only (math fallback forbidden)" in stdout
+    results = report["results"]["32"]
     for impl in ("dat_hf", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["time_s"] > 0, results[impl]
         assert results[impl]["runs"][0]["sdpa_math"] == "forbidden"
-    generate = subprocess.run([sys.executable, script, "generate", "--prompt", "6", "--new-tokens", "3", *common,
-                               "--out", str(tmp_path / "gen")], capture_output=True, text=True, timeout=300)
-    assert generate.returncode == 0, generate.stderr
-    results = json.loads((tmp_path / "gen" / "generate.json").read_text())["results"]["6"]
+    _, report = run_benchmark(tmp_path / "gen", "generate", "--prompt", "6", "--new-tokens", "3", *common)
+    results = report["results"]["6"]
     for impl in ("dat_hf", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["decode_ms_per_token"] > 0, results[impl]
         assert results[impl]["runs"][0]["sdpa_math"] == "forbidden"
@@ -159,13 +143,9 @@ def test_a_call_only_sdpa_math_could_serve_fails_the_run_and_says_so():
     """Under `--sdpa-math forbid`, an SDPA call that no fused kernel takes (here: dropout, which CPU's flash kernel
     lacks) raises an error naming the math fallback, instead of running it."""
     import pytest
-    import torch
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from benchmark import Device, parser
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    benchmark = benchmark_module()
+    Device, parser = benchmark.Device, benchmark.parser
     q = torch.randn(1, 2, 8, 16)
     forbid = Device(parser().parse_args(["train", "--sdpa-math", "forbid"]))
     with forbid.attention():
@@ -180,15 +160,13 @@ def test_a_call_only_sdpa_math_could_serve_fails_the_run_and_says_so():
 
 
 def test_benchmark_parts_smoke(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "benchmark.py"), "parts", "--seq", "16", "--batch", "1", "--vocab",
-           "64", "--hidden", "32", "--ffn", "64", "--max-len", "64", "--threads", "1", "--out", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    parts = json.loads((tmp_path / "parts.json").read_text())["results"]["16"]
+    stdout, report = run_benchmark(tmp_path, "parts", "--seq", "16", "--batch", "1", "--vocab", "64", "--hidden", "32",
+                                   "--ffn", "64", "--max-len", "64", "--threads", "1")
+    parts = report["results"]["16"]
     for name in ("dat_hf layer", "llama layer", "dat_hf attention", "llama attention", "dat_hf symbol retrieval",
                  "dat_hf mlp", "llama mlp", "sdpa 4 heads", "sdpa 8 heads"):
         assert parts[name]["fwd_ms"] > 0 and parts[name]["bwd_ms"] > 0, name
-    assert "dat_hf layer / llama layer" in result.stdout
+    assert "dat_hf layer / llama layer" in stdout
 
 
 def test_benchmark_validation_smoke():
