@@ -108,7 +108,7 @@ class AttentionMask:
         if self._mask is None and self.window is not None:  # (every layer's heads attend over the same blocks)
             key = (q0, q1, kv0, kv1)
             if key not in self._window_blocks:
-                self._window_blocks[key] = self.window.allowed(q0, q1, kv0, kv1, row_valid)
+                self._window_blocks[key] = self._from_window(*key)
             return AttentionMask(self._window_blocks[key], row_valid, False)
         return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 

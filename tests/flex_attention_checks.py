@@ -64,12 +64,12 @@ def _compiled_flex_attention_only(monkeypatch):
     assert not uncompiled, uncompiled[0]
 
 
-def pair(cls, config_cls, **overrides):
-    """(eager model, flex_attention model) with the same weights, on DEVICE, float32."""
+def pair(cls, make_config):
+    """(eager model, flex_attention model) of `make_config()` with the same weights, on DEVICE, float32, training."""
     models = []
     for impl in ("eager", "flex_attention"):
         torch.manual_seed(0)
-        config = config_cls(**dict(BASE, **overrides))
+        config = make_config()
         config._attn_implementation = impl
         models.append(cls(config).to(DEVICE).train())
     return models
@@ -114,8 +114,8 @@ CASES = {  # (encoder, config overrides, padding lengths of the 3 rows)
 @pytest.mark.parametrize("case", list(CASES))
 def test_models_equal_eager(case):
     encoder, overrides, lengths = CASES[case]
-    eager, flex = pair(DATEncoderModel if encoder else DATModel, DATEncoderConfig if encoder else DATConfig,
-                       **overrides)
+    config_cls = DATEncoderConfig if encoder else DATConfig
+    eager, flex = pair(DATEncoderModel if encoder else DATModel, lambda: config_cls(**dict(BASE, **overrides)))
     b, n = len(lengths), 40
     x = torch.randn(b, n, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     kwargs = dict(attention_mask=padding(n, lengths, left=not encoder))
@@ -140,12 +140,7 @@ def test_greedy_generation_equals_eager():
     if DEVICE.type == "cpu":
         pytest.skip("PyTorch 2.13's inductor fails to compile FlexAttention's CPU decoding kernel, for Llama too "
                     "(`CppCompileError: 'cur_kvSplitSize0' was not declared`)")
-    models = []
-    for impl in ("eager", "flex_attention"):
-        torch.manual_seed(0)
-        config = DATConfig(**BASE)
-        config._attn_implementation = impl
-        models.append(DATForCausalLM(config).to(DEVICE).eval())
+    models = [model.eval() for model in pair(DATForCausalLM, lambda: DATConfig(**BASE))]
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -159,16 +154,11 @@ def test_343m_shapes_compile_and_run_in_bfloat16():
     kernels compile for relational values of width 576, forward and backward run in bfloat16 under autocast, and the
     outputs are within bfloat16 rounding of float32 eager."""
     n = 2048 if DEVICE.type == "cuda" else 256
-    models = {}
-    for impl in ("eager", "flex_attention"):
-        torch.manual_seed(0)
-        config = load_preset_config("dat-343m", num_hidden_layers=1, vocab_size=256, max_position_embeddings=n)
-        config._attn_implementation = impl
-        models[impl] = DATModel(config).to(DEVICE).train()
+    eager, flex = pair(DATModel, lambda: load_preset_config("dat-343m", num_hidden_layers=1, vocab_size=256,
+                                                             max_position_embeddings=n))
     x = torch.randn(1, n, 1024, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     with torch.no_grad():
-        expected = models["eager"](inputs_embeds=x).last_hidden_state
-    flex = models["flex_attention"]
+        expected = eager(inputs_embeds=x).last_hidden_state
     times = []
     for _ in range(2):  # the first call compiles
         start = time.perf_counter()
