@@ -356,13 +356,13 @@ class DualAttention(nn.Module):
         # keys] (heads per value part; 0 = a flat `[b, N, width]` part)
         rel, sen = self.relational, self.sensory
         own_qk = [m for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
-        self._key_heads = [m.num_kv_heads for m in own_qk]
-        self._query_heads = [m.num_heads for m in own_qk]
+        self._key_heads = tuple(m.num_kv_heads for m in own_qk)
+        self._query_heads = tuple(m.num_heads for m in own_qk)
         self._key_heads_total = sum(self._key_heads)
-        self._value_heads = ([sen.num_kv_heads] if sen is not None else []) + (
-            ([rel.num_kv_heads] if not rel.relative_symbols else []) + [0] if rel is not None else [])
-        self._value_widths = [heads * self.head_dim if heads else rel.num_relations * rel.relation_dim
-                              for heads in self._value_heads]
+        self._value_heads = ((sen.num_kv_heads,) if sen is not None else ()) + (
+            ((rel.num_kv_heads,) if not rel.relative_symbols else ()) + (0,) if rel is not None else ())
+        self._value_widths = tuple(heads * self.head_dim if heads else rel.num_relations * rel.relation_dim
+                                   for heads in self._value_heads)
         # the projections of the layer input, in the order of the fused output: keys [relational | sensory], queries
         # [relational | sensory], sensory values, relation queries, relation keys; as (owner, attribute) pairs, looked
         # up per call (adapters such as PEFT's replace the modules)
@@ -377,6 +377,8 @@ class DualAttention(nn.Module):
             relation_projections = ["q_rel_proj"] + ([] if rel.symmetric_relations else ["k_rel_proj"])
             self._input_projections += [("relational", name) for name in relation_projections]
             self._input_widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
+        # (tuples: Dynamo guards them as constants, and can skip a layer's guards whole while its dicts are unchanged)
+        self._input_projections, self._input_widths = tuple(self._input_projections), tuple(self._input_widths)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
                 past_key_values=None, relative_position_index=None, **kwargs):

@@ -285,8 +285,8 @@ def _step_clock(device):
 def _forward_clock(model, device):
     """Times the model forward of every decoding step inside `generate` (the compiled call, or `__call__` when eager):
     `times` gets the seconds of each call, after a device sync. What a step takes beyond it is `generate`'s own loop
-    (inputs, masks, logits processors, stopping criteria)."""
-    times = []
+    (inputs, masks, logits processors, stopping criteria). -> (times, {"inputs": the last call's (args, kwargs)})."""
+    times, last = [], {}
 
     def timed(call):
         def forward(*args, **kwargs):
@@ -295,6 +295,7 @@ def _forward_clock(model, device):
             out = call(*args, **kwargs)
             device.sync()
             times.append(time.perf_counter() - start)
+            last["inputs"] = args, kwargs
             return out
 
         return forward
@@ -303,7 +304,47 @@ def _forward_clock(model, device):
         model._compiled_call = timed(model._compiled_call)
     else:  # `generate` decodes through `self.__call__` (the prefill calls the model directly)
         model.__call__ = timed(model.__call__)
-    return times
+    return times, last
+
+
+def _guard_check(model, inputs, calls=2000):
+    """Dynamo's guard check before each compiled decoding step, timed on its own: the guards of the step's cached graph
+    (on `forward`'s code, which `generate`'s compiled `__call__` enters) checked against the last step's inputs, `calls`
+    times -> {"guard_check_us": microseconds per check, "guards": how many it evaluates}; None values where no cached
+    graph accepts the inputs or Dynamo's internals differ (a diagnostic: it never fails the measurement)."""
+    import torch
+
+    none = {"guard_check_us": None, "guards": None}
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        forward = type(model).forward
+        code = forward.__code__
+        cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ())))
+        names = code.co_varnames  # (self, then the wrapper's *args and **kwargs)
+        f_locals = {names[0]: model, names[code.co_argcount]: inputs[0], names[code.co_argcount + 1]: inputs[1],
+                    **cells}
+        with torch.no_grad():  # (grad mode is guarded; generate decodes without gradients)
+            guards = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)
+                      if entry.guard_manager.check(f_locals)]
+            if not guards:
+                return none
+            start = time.perf_counter()
+            for _ in range(calls):
+                guards[0].check(f_locals)
+            seconds = (time.perf_counter() - start) / calls
+            return {"guard_check_us": seconds * 1e6, "guards": guards[0].check_verbose(f_locals).num_guards_executed}
+    except (ImportError, AttributeError, IndexError, TypeError) as error:
+        return none | {"guard_check_error": repr(error)}
+
+
+def _compile_counts():
+    """Graphs Dynamo compiled and graphs inductor ran without CUDA graphs (on CUDA: an op or input they cannot hold;
+    every graph on CPU), so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": counters["stats"]["unique_graphs"],
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 def compile_options(pairs):
@@ -362,7 +403,8 @@ def worker_generate(args):
         # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs; without guards,
         # the warm-up compiles for the timed run's cache (its length is the generation's)
         generate(args.new_tokens if skip_guards else 4)
-        forward_times = _forward_clock(model, device) if args.impl != "reference" else []
+        compile_counts = _compile_counts()
+        forward_times, last_step = _forward_clock(model, device) if args.impl != "reference" else ([], {})
         # (set_stance takes effect when called: only after the warm-up) Dynamo runs the compiled step unguarded
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip_guards else (
                 contextlib.nullcontext()):
@@ -376,10 +418,14 @@ def worker_generate(args):
         first_start, first = generate(1)
         prefill = first[0] - first_start
         decode = max(times[0] - start - prefill, 0) / max(1, args.new_tokens - 1) or None
+    compiled = {}
+    if args.compile and last_step:  # the timed run's: one graph for all its steps, held by CUDA graphs on CUDA
+        compiled = {key: count - compile_counts[key] for key, count in _compile_counts().items()}
+        compiled.update(_guard_check(model, last_step["inputs"]))
     print(json.dumps({"decode_ms_per_token": None if decode is None else 1000 * decode,
                       "forward_ms_per_token": None if forward is None else 1000 * forward,
                       "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
-                      "relational_backend": relational_backend(model), **device.record()}))
+                      "relational_backend": relational_backend(model), **compiled, **device.record()}))
 
 
 def run_worker(mode, impl, args, **extra):
@@ -526,6 +572,14 @@ def main_generate(args):
                   f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10}"
                   + "".join(f" {ratio_cell(r['ratios'].get(f'decode_ms_per_token/{o}'), True):>19}" for o in others)
                   + "".join(f" {ratio_cell(r['ratios'].get(f'forward_ms_per_token/{o}'), True):>19}" for o in others))
+    if args.compile:
+        for prompt, row in table.items():
+            counts = {impl: next((x for x in r["runs"] if "compiled_graphs" in x), None) for impl, r in row.items()}
+            print(f"prompt {prompt}, the timed run: graphs compiled / run without CUDA graphs: " + ", ".join(
+                f"{impl} {c['compiled_graphs']} / {c['cudagraph_skips']}" for impl, c in counts.items() if c)
+                  + "; Dynamo's guard check per step: " + ", ".join(
+                f"{impl} {c['guard_check_us']:.0f} us ({c['guards']} guards)" for impl, c in counts.items()
+                if c and c["guard_check_us"]))
     return table
 
 

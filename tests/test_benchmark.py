@@ -102,7 +102,7 @@ def test_benchmark_generate_smoke(tmp_path):
 def test_benchmark_compiled_generate_options_smoke(tmp_path):
     """`generate --compile` with inductor options (the C++ wrapper) and unguarded compiled steps runs end to end for
     both models, also with SDPA restricted to fused kernels (as on CUDA: one graph under `sdpa_kernel`), and reports
-    the forward alone beside the step."""
+    the forward alone beside the step, the graphs the timed run compiled and the guard check of its cached graph."""
     stdout, report = run_benchmark(tmp_path, "generate", "--impls", "dat_hf", "llama", "--prompt", "6",
                                    "--new-tokens", "4", *TINY, "--compile", "--compile-options", "cpp_wrapper=True",
                                    "--skip-guards", "--sdpa-math", "forbid", timeout=600)
@@ -112,6 +112,11 @@ def test_benchmark_compiled_generate_options_smoke(tmp_path):
     for impl in ("dat_hf", "llama"):
         assert results[impl]["errors"] == [] and results[impl]["runs"][0]["sdpa_math"] == "forbidden", results[impl]
         assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
+        run = results[impl]["runs"][0]
+        # without guards the warm-up decodes as far as the timed run: its graph serves every timed step
+        assert run["compiled_graphs"] == 0, run
+        assert run["guard_check_us"] > 0 and run["guards"] > 100, run  # the step's cached graph was found
+    assert "the timed run: graphs compiled / run without CUDA graphs: dat_hf 0 / 0, llama 0 / 0" in stdout
 
 
 def test_compile_options_parse_literals():

@@ -4,13 +4,17 @@
   relational biases, GQA, left padding, non-identity relations and position-relative symbols (the reference
   backend), and for the seq2seq model with dual cross-attention;
 - `generate(..., cache_implementation="static", compile_config=CompileConfig(fullgraph=True))` traces the decoding
-  step as one graph (no graph break) that serves every step (no recompilation), same tokens;
+  step as one graph (no graph break) that serves every step (no recompilation), same tokens; the graph is one that
+  CUDA graphs can hold (what generate's compiled decoding uses on a GPU): no op they refuse, and every input it writes
+  (the cache's buffers) at a fixed address;
 - a `StaticCache` passed by the user gets DAT's layers; one filled by another model is refused with a clear error.
 """
 
 import pytest
 import torch
 from conftest import tiny_config
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.utils import get_first_incompatible_cudagraph_node
 from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -81,10 +85,41 @@ def test_seq2seq_static_cache_generation_equals_dynamic():
     assert_same_generation((got.sequences, torch.stack(got.logits)), (expected.sequences, torch.stack(expected.logits)))
 
 
-def compile_config():
-    """Compiled decoding on this CPU machine: Dynamo traces the whole step (`fullgraph`), the eager backend runs it
-    (what is checked here is the graph; inductor's code generation is what `scripts/benchmark.py` times)."""
-    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
+def cuda_graph_check(graphs):
+    """A torch.compile backend that runs the traced step as AOTAutograd's aten graph (no code generation) and appends
+    to `graphs`, per graph, what would make inductor skip CUDA graphs on a GPU (generate's compiled decoding there uses
+    them): an op they cannot hold (a host sync such as `.item()`, `_assert_scalar`, a data-dependent shape) and the
+    inputs the step writes to that are not at a fixed address (`mark_static_address`, or parameters and buffers).
+    (A function: `CompileConfig` deep-copies its fields, which would copy an object holding the list.)"""
+
+    def backend(graph, example_inputs):
+        fixed = {i for i, t in enumerate(example_inputs)
+                 if isinstance(t, torch.nn.Parameter) or hasattr(t, "_dynamo_static_input_type")}
+
+        def inspect(aten_graph, _):
+            inputs = [node for node in aten_graph.graph.nodes if node.op == "placeholder"]
+            written = {inputs.index(node.args[0]) for node in aten_graph.graph.nodes
+                       if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder"}
+            graphs.append(dict(unsafe_op=get_first_incompatible_cudagraph_node(aten_graph), written=written,
+                               moving=written - fixed))
+            return aten_graph.forward
+
+        return aot_autograd(fw_compiler=inspect, keep_inference_input_mutations=True)(graph, example_inputs)
+
+    return backend
+
+
+def assert_cuda_graph_safe(graphs):
+    (graph,) = graphs
+    assert graph["written"], "the step writes no cache buffer: nothing was checked"
+    assert graph["unsafe_op"] is None, f"CUDA graphs cannot hold {graph['unsafe_op'].format_node()}"
+    assert not graph["moving"], f"inputs {graph['moving']} are written by the step but not at fixed addresses"
+
+
+def compile_config(backend="eager"):
+    """Compiled decoding on this CPU machine: Dynamo traces the whole step (`fullgraph`), `backend` runs it (what is
+    checked here is the graph; inductor's code generation is what `scripts/benchmark.py` times)."""
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     config._compile_all_devices = True
     return config
 
@@ -104,21 +139,26 @@ def test_compiled_static_decoding_is_one_graph(name, dynamo_counters):
     model = DATForCausalLM(tiny_config(**overrides)).eval()
     prompt, mask = prompt_and_mask(padded)
     expected = greedy(model, prompt, mask)
-    got = greedy(model, prompt, mask, cache_implementation="static", compile_config=compile_config())
+    graphs = []
+    got = greedy(model, prompt, mask, cache_implementation="static",
+                 compile_config=compile_config(cuda_graph_check(graphs)))
     assert_same_generation(got, expected)
     assert dict(dynamo_counters["graph_break"]) == {}
     assert dynamo_counters["stats"]["unique_graphs"] == 1  # one trace served all nine decoding steps
+    assert_cuda_graph_safe(graphs)
 
 
 def test_compiled_seq2seq_static_decoding_is_one_graph(dynamo_counters):
     model = seq2seq_model()
     source = torch.randint(2, 40, (2, 9))
     expected = model.generate(source, max_new_tokens=8, do_sample=False)
+    graphs = []
     got = model.generate(source, max_new_tokens=8, do_sample=False, cache_implementation="static",
-                         compile_config=compile_config())
+                         compile_config=compile_config(cuda_graph_check(graphs)))
     assert torch.equal(got, expected)
     assert dict(dynamo_counters["graph_break"]) == {}
     assert dynamo_counters["stats"]["unique_graphs"] == 1
+    assert_cuda_graph_safe(graphs)
 
 
 def test_a_users_static_cache():
