@@ -183,3 +183,15 @@ def test_benchmark_validation_smoke():
     assert result.returncode == 0, result.stderr
     assert "train step (s)     on" in result.stdout and "decode (ms/token)  on" in result.stdout
     assert "checks of one decode step" in result.stdout
+
+
+def test_decode_op_benchmark_counts_the_senders_of_each_mask():
+    """`scripts/benchmark_decode_op.py` times the relational decoding op for masks allowing every slot, a causal
+    step's and a sliding window's."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_decode_op.py"), "--slots", "96",
+                             "--position", "80", "--window", "16", "--repeats", "2"], capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])["results"]
+    assert {name: r["senders"] for name, r in report.items()} == {"every slot": 96, "causal": 81, "window 16": 16}
+    assert all(r["us"] > 0 for r in report.values())

@@ -13,6 +13,7 @@
 (Backend-level comparisons of every backend over the shared case matrix: `test_relational_backends.py`.)
 """
 
+import functools
 import shutil
 
 import pytest
@@ -295,6 +296,38 @@ def test_decode_reads_strided_views_of_a_packed_cache(loaded):
     copies = [t.contiguous().double() for t in (query, key, values, q_rel, k_rel)]
     expected = decode_reference(copies, relation_proj.double(), 0.25, 0.5)
     assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_reads_only_the_senders_from_the_first_to_the_last_allowed(loaded):
+    """A row reads its senders from the first to the last its mask allows (a static cache's empty slots, a sliding
+    window, left padding cost nothing): NaN outside that range leaves the messages as without it; a masked sender
+    inside the range is read and weighted zero."""
+    b, h, h_kv, kv_len, d, R, d_r = 3, 4, 2, 40, 16, 3, 8
+    g = torch.Generator().manual_seed(7)
+    query, key, values = torch.randn(b, h, 1, d, generator=g), torch.randn(b, h_kv, kv_len, d, generator=g), \
+        torch.randn(b, h_kv, kv_len, d, generator=g)
+    q_rel, k_rel = torch.randn(b, 1, R, d_r, generator=g), torch.randn(b, kv_len, R, d_r, generator=g)
+    relation_proj = torch.randn(h, d, R, generator=g)
+    mask = torch.zeros(b, kv_len, dtype=torch.bool)
+    mask[0, 5:21] = True  # a window, then a static cache's empty slots
+    mask[1, 3:30] = True
+    mask[1, 10:14] = False  # a hole inside the range
+    mask[2, :] = False  # no sender
+    decode = functools.partial(kernel.relational_decode_op, relation_proj=relation_proj, scaling=0.3,
+                               relation_scaling=0.7, mask=mask[:, None, None])
+    expected = decode(query, key, values, q_rel, k_rel)
+    outside = torch.ones(b, kv_len, dtype=torch.bool)
+    outside[0, 5:21] = outside[1, 3:30] = False
+    nan = float("nan")
+    key[outside[:, None, :, None].expand_as(key)] = nan
+    values[outside[:, None, :, None].expand_as(values)] = nan
+    k_rel[outside[:, :, None, None].expand_as(k_rel)] = nan
+    got = decode(query, key, values, q_rel, k_rel)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, expected) and (got[2] == 0).all()
+    reference = decode_reference([t.double() for t in (query, key.nan_to_num(), values.nan_to_num(), q_rel,
+                                                       k_rel.nan_to_num())], relation_proj.double(), 0.3, 0.7, mask)
+    assert_close(got.double(), reference, atol=2e-5, rtol=2e-5)
 
 
 def test_decode_threads_give_the_single_thread_result(loaded):

@@ -487,7 +487,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> relationa
 // ---- decoding: one receiver per row, the relational heads' whole step --------------------------------------------
 // out[b, h] = sum_j p_hj v_j + sum_l (sum_j p_hj rel_jl) W_r[h, :, l],  rel_jl = rel_scaling <q_rel_l, k_rel_jl>.
 // The relations do not depend on the head: computed once per (batch row, sender), then shared by every head.
-// mask (optional, bool [b or 1, 1, kv], True = may attend): e.g. left padding; a row without senders gets 0.
+// mask (optional, bool [b or 1, 1, kv], True = may attend): e.g. left padding; a row without senders gets 0. Each row
+// reads only the senders from the first to the last its mask allows (a static cache's empty slots, a sliding window).
 at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const at::Tensor& qr, const at::Tensor& kr, const at::Tensor& wr,
                                        const std::optional<at::Tensor>& mask, double scaling, double rel_scaling) {
@@ -506,10 +507,19 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
   const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
   const float *QR = qr.data_ptr<float>(), *KR = kr.data_ptr<float>(), *W = wr.data_ptr<float>();
   float *O = out.data_ptr<float>(), *REL = rel.data_ptr<float>();
+  // senders [lo[b], hi[b]) of each row: from the first to the last its mask allows (all without a mask)
+  std::vector<int64_t> lo(s.B, 0), hi(s.B, s.N);
+  if (s.mask)
+    for (int64_t b = 0; b < s.B; ++b) {
+      const bool* allowed = s.mask + b * s.mask_b;
+      while (hi[b] > 0 && !allowed[hi[b] - 1]) --hi[b];
+      while (lo[b] < hi[b] && !allowed[lo[b]]) ++lo[b];
+    }
   // rel[b, l, j] = rel_scaling <q_rel[b, l], k_rel[b, j, l]>  (sender-contiguous, for the dots below)
   at::parallel_for(0, s.B * s.N, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / s.N, j = t % s.N;
+      if (j < lo[b] || j >= hi[b]) continue;
       const float *qr_b = QR + b * qrs.b, *kr_j = KR + b * krs.b + j * krs.t;
       for (int64_t l = 0; l < s.R; ++l)
         REL[(b * s.R + l) * s.N + j] = s.rel_scaling * dot(qr_b + l * qrs.r, kr_j + l * krs.r, s.dr);
@@ -519,23 +529,24 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
   at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(s.N), agg_rel(s.R);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / s.H, h = t % s.H, g = h / G;
-      const float *qh = Q + b * qs.b + h * qs.h, *kg = K + b * ks.b + g * ks.h, *vg = V + b * vs.b + g * vs.h;
-      for (int64_t j = 0; j < s.N; ++j) p[j] = s.scaling * dot(qh, kg + j * ks.t, s.d);
+      const int64_t b = t / s.H, h = t % s.H, g = h / G, j0 = lo[b], n = hi[b] - lo[b];
+      const float *qh = Q + b * qs.b + h * qs.h, *kg = K + b * ks.b + g * ks.h + j0 * ks.t;
+      const float* vg = V + b * vs.b + g * vs.h + j0 * vs.t;
       float* o = O + t * s.d;
+      for (int64_t j = 0; j < n; ++j) p[j] = s.scaling * dot(qh, kg + j * ks.t, s.d);
       if (s.mask) {
-        const bool* allowed = s.mask + b * s.mask_b;
-        for (int64_t j = 0; j < s.N; ++j)
+        const bool* allowed = s.mask + b * s.mask_b + j0;
+        for (int64_t j = 0; j < n; ++j)
           if (!allowed[j]) p[j] = -std::numeric_limits<float>::infinity();
       }
-      const float mx = row_max(p.data(), s.N);
-      if (mx == -std::numeric_limits<float>::infinity()) {  // no sender: a zero message
+      if (n == 0) {  // no sender: a zero message
         std::fill(o, o + s.d, 0.f);
         continue;
       }
-      const float inv = 1.f / exp_shifted(p.data(), s.N, mx);
-      weighted_rows(p.data(), vg, vs.t, s.N, s.d, o);
-      for (int64_t l = 0; l < s.R; ++l) agg_rel[l] = dot(p.data(), REL + (b * s.R + l) * s.N, s.N);
+      const float mx = row_max(p.data(), n);  // (finite: the first and last sender in range are allowed)
+      const float inv = 1.f / exp_shifted(p.data(), n, mx);
+      weighted_rows(p.data(), vg, vs.t, n, s.d, o);
+      for (int64_t l = 0; l < s.R; ++l) agg_rel[l] = dot(p.data(), REL + (b * s.R + l) * s.N + j0, n);
       const float* w = W + h * s.d * s.R;  // W_r[h] is [d_h, R]
       for (int64_t e = 0; e < s.d; ++e) o[e] = (o[e] + dot(w + e * s.R, agg_rel.data(), s.R)) * inv;
     }
