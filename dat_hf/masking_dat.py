@@ -206,18 +206,19 @@ MIN_SKIPPED_SHARE = 0.25
 
 
 def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
-    """bool `[b|1, 1, q, kv]` -> ((q0, q1, kv0, kv1), ...), each block of `RECEIVER_BLOCK` receivers with the range
-    of senders that any of them may see, or None when that would not skip `MIN_SKIPPED_SHARE` of the work."""
-    q_len, kv_len = allowed.shape[-2:]
-    if q_len < 2 * RECEIVER_BLOCK or torch.compiler.is_compiling():
+    """bool `[b|1, 1, q, kv]` -> ((q0, q1, kv0, kv1), ...), each block of `RECEIVER_BLOCK` receivers (all of them in
+    one block when fewer than two blocks' worth, e.g. a decoding step over a cache) with the range of senders that any
+    of them may see, or None when that would not skip `MIN_SKIPPED_SHARE` of the work."""
+    if torch.compiler.is_compiling():
         return None
+    q_len, kv_len = allowed.shape[-2:]
+    size = RECEIVER_BLOCK if q_len >= 2 * RECEIVER_BLOCK else q_len
     rows = allowed.any(0)[0]  # [q, kv]: the union over the batch
-    pad = -q_len % RECEIVER_BLOCK
-    columns = torch.nn.functional.pad(rows, (0, 0, 0, pad)).view(-1, RECEIVER_BLOCK, kv_len).any(1)  # [blocks, kv]
+    columns = torch.nn.functional.pad(rows, (0, 0, 0, -q_len % size)).view(-1, size, kv_len).any(1)  # [blocks, kv]
     first = columns.int().argmax(-1)
     last = kv_len - columns.flip(-1).int().argmax(-1)
-    blocks = [(q0, min(q_len, q0 + RECEIVER_BLOCK), lo, hi)
-              for q0, lo, hi in zip(range(0, q_len, RECEIVER_BLOCK), first.tolist(), last.tolist())]
+    blocks = [(q0, min(q_len, q0 + size), lo, hi)
+              for q0, lo, hi in zip(range(0, q_len, size), first.tolist(), last.tolist())]
     return _if_skipping_enough(blocks, q_len, kv_len, is_causal)
 
 

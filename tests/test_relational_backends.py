@@ -475,6 +475,52 @@ def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
             assert_close(g, e, atol=1e-5, rtol=1e-4, what=f"{backend} gradient")
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, cache):
+    """A decoding step is one block of receivers: with a sliding window over a long cache (a static cache's empty
+    slots beyond it) both head types read only the senders the window allows, with the tokens and logits of attending
+    over the whole cache."""
+    import dat_hf.dual_attention as dual_attention
+    import dat_hf.masking_dat as masking_dat
+
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=16,
+                                       max_position_embeddings=512)).eval()
+    prompt = torch.randint(1, 97, (2, 200))
+    attention_mask = torch.ones_like(prompt).index_fill_(1, torch.arange(3), 0)  # (the first row is left padded)
+    attention_mask[1] = 1
+    senders = []  # (head type, receivers, senders) of every attention call
+
+    def spy(cls):
+        original = cls._attend
+
+        def attend(self, how, query, key, *args, **kwargs):
+            senders.append((cls.__name__, query.shape[2], key.shape[2]))
+            return original(self, how, query, key, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "_attend", attend)
+
+    spy(dual_attention.SensoryAttention)
+    spy(dual_attention.RelationalAttention)
+
+    def generate():
+        out = model.generate(prompt, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                             **({"cache_implementation": "static"} if cache == "static" else {}))
+        return out.sequences, torch.stack(out.logits)
+
+    tokens, logits = generate()
+    steps = [(head, kv) for head, q, kv in senders if q == 1]
+    assert {head for head, _ in steps} == {"SensoryAttention", "RelationalAttention"}
+    assert {kv for _, kv in steps} == {17}, steps  # 16 previous tokens and itself, of 201-205 (static: 206) slots
+    senders.clear()
+    monkeypatch.setattr(masking_dat, "MIN_SKIPPED_SHARE", 2.0)  # never in blocks: every step over the whole cache
+    whole_tokens, whole_logits = generate()
+    assert min(kv for _, q, kv in senders if q == 1) > 200
+    assert torch.equal(tokens, whole_tokens)
+    assert_close(logits, whole_logits, atol=1e-5, what="decoding logits")
+
+
 PADDINGS = {"none": None, "left": ((0, 0, 300), (1, 0, 7)), "right": ((0, -300, None), (2, -5, None)),
             "middle": ((0, 100, 500),)}
 
