@@ -209,9 +209,9 @@ def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
     """bool `[b|1, 1, q, kv]` -> ((q0, q1, kv0, kv1), ...), each block of `RECEIVER_BLOCK` receivers (all of them in
     one block when fewer than two blocks' worth, e.g. a decoding step over a cache) with the range of senders that any
     of them may see, or None when that would not skip `MIN_SKIPPED_SHARE` of the work."""
-    if torch.compiler.is_compiling():
-        return None
     q_len, kv_len = allowed.shape[-2:]
+    if torch.compiler.is_compiling() or not q_len or not kv_len:
+        return None
     size = RECEIVER_BLOCK if q_len >= 2 * RECEIVER_BLOCK else q_len
     rows = allowed.any(0)[0]  # [q, kv]: the union over the batch
     columns = torch.nn.functional.pad(rows, (0, 0, 0, -q_len % size)).view(-1, size, kv_len).any(1)  # [blocks, kv]
