@@ -476,7 +476,8 @@ def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, cache):
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "eager"])
+def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, backend, cache):
     """A decoding step is one block of receivers: with a sliding window over a long cache (a static cache's empty
     slots beyond it) both head types read only the senders the window allows, with the tokens and logits of attending
     over the whole cache."""
@@ -485,7 +486,7 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, cac
 
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=16,
-                                       max_position_embeddings=512)).eval()
+                                       max_position_embeddings=512, relational_attn_implementation=backend)).eval()
     prompt = torch.randint(1, 97, (2, 200))
     attention_mask = torch.ones_like(prompt).index_fill_(1, torch.arange(3), 0)  # (the first row is left padded)
     attention_mask[1] = 1
