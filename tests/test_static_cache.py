@@ -116,7 +116,7 @@ def assert_cuda_graph_safe(graphs):
     assert not graph["moving"], f"inputs {graph['moving']} are written by the step but not at fixed addresses"
 
 
-def compile_config(backend="eager"):
+def compile_config(backend):
     """Compiled decoding on this CPU machine: Dynamo traces the whole step (`fullgraph`), `backend` runs it (what is
     checked here is the graph; inductor's code generation is what `scripts/benchmark.py` times)."""
     config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
