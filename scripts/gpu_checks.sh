@@ -78,8 +78,8 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
         flex)
             stage flex python3 -m pytest -q -s -p no:cacheprovider tests/flex_attention_checks.py || status=1 ;;
         flex_train)
-            stage flex_train "${BENCH[@]}" train "${CUDA[@]}" --attn flex_attention --relational-backend flex_attention \
-                --seq 2048 4096 --steps 3 --out "$OUT/flex_train" || status=1 ;;
+            stage flex_train "${BENCH[@]}" train "${CUDA[@]}" --attn flex_attention \
+                --relational-backend flex_attention --seq 2048 4096 --steps 3 --out "$OUT/flex_train" || status=1 ;;
         reference)
             stage reference "${BENCH[@]}" train "${CUDA[@]}" --impls dat_hf reference --seq 1024 2048 4096 \
                 --reference-max-seq 4096 --steps 3 --out "$OUT/reference" || status=1

@@ -40,8 +40,8 @@ many relations (the 1.27B config: h 16, R 128, d_r 8) it dominates, and the per-
 R]` accumulators. Batched (3-D) `tl.dot` is, to our knowledge, lowered to mma.sync rather than Hopper's wgmma (not
 measured). Block sizes are autotuned on the GPU (BLOCK_M 16-64, BLOCK_N 16-64, 4-8 warps, 1-3 stages), or fixed to the
 smallest config with `DAT_HF_TRITON_AUTOTUNE=0` (checks of many shapes: one compilation per shape, not one per config);
-the interpreter runs 16 x 32 blocks. Head and relation dims are padded to powers of two of at least 16 (the smallest `tl.dot`), the
-relation count to a power of two.
+the interpreter runs 16 x 32 blocks. Head and relation dims are padded to powers of two of at least 16 (the smallest
+`tl.dot`), the relation count to a power of two.
 
 Dtypes: float32 (dots in IEEE precision, not TF32), float16, bfloat16, with float32 accumulation and softmax.
 Tests run the kernels on CPU tensors with `TRITON_INTERPRET=1` set before `dat_hf` is imported; there bfloat16
