@@ -7,14 +7,16 @@
 One cache layer per DAT layer holds both head types (see `DualAttention`): keys `[b, h_kv_s + h_kv_r, n, d_h]` and
 one flat value slot `[b, 1, n, width]` (sensory values | symbol values | relation keys), so keys and values have
 their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decoding step without copying the cache;
-`DATStaticLayer` (for `StaticCache`, `cache_implementation="static"`, `torch.compile`) preallocates both.
-`prepare_cache` gives a fresh cache these layers.
+`DATStaticLayer` (for `StaticCache`, `cache_implementation="static"`, `torch.compile`) preallocates both, and
+`DATStaticSlidingWindowLayer` keeps only a sliding window's last tokens (the layers `DATConfig.layer_types` marks
+`sliding_attention`). `prepare_cache` gives a fresh cache these layers.
 """
 
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer
+from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer,
+                                      StaticSlidingWindowLayer)
 
 
 class InPlaceCacheLayer(DynamicLayer):
@@ -100,11 +102,82 @@ class DATStaticLayer(StaticLayer):
         self.is_initialized = True
 
 
+class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
+    """A `StaticSlidingWindowLayer` (the last `max_cache_len` = min(sliding window, max length) tokens, oldest first)
+    with DAT's packed values (as `DATStaticLayer`), that one compiled decoding step serves for every token: a compiled
+    windowed step reads and keeps `max_cache_len` slots however long the sequence.
+
+    The tokens seen are counted in a tensor only (Transformers' layer branches on a Python int, which Dynamo guards:
+    a graph per token), and a one-token update has no branch: shift left by one when full, write at slot
+    min(seen, max_cache_len - 1). Longer updates (a prefill) run eagerly. `get_mask_sizes` reads the count on the host,
+    so the masks are built outside a compiled step (as `generate` builds them, `create_masks_for_generate`).
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        size, new = self.max_cache_len, key_states.shape[-2]
+        if new == 1:
+            seen = self.cumulative_length
+            full, slot = seen >= size, seen.clamp(max=size - 1).view(1)
+            for cache, state in ((self.keys, key_states), (self.values, value_states)):
+                cache.copy_(torch.where(full, cache.roll(-1, dims=-2), cache))
+                cache.index_copy_(2, slot, state)
+            seen.add_(1)
+            return self.keys, self.values
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"A compiled step may add one token at a time to a sliding-window static cache (got {new}); run the "
+                "prefill eagerly (as `generate` does)."
+            )
+        seen = int(self.cumulative_length)
+        if seen + new <= size:  # the window is not full yet: the new tokens go to their slots
+            for cache, state in ((self.keys, key_states), (self.values, value_states)):
+                cache[:, :, seen:seen + new].copy_(state)
+            self.cumulative_length.add_(new)
+            return self.keys, self.values
+        # the new tokens see up to `size - 1` earlier ones: return those and the new ones, keep the last `size`
+        held = min(seen, size)
+        states = [torch.cat((cache[:, :, held - min(held, size - 1):held], state), dim=-2)
+                  for cache, state in ((self.keys, key_states), (self.values, value_states))]
+        for cache, state in zip((self.keys, self.values), states):
+            cache.copy_(state[:, :, -size:])
+        self.cumulative_length.add_(new)
+        return tuple(states)
+
+    def get_seq_length(self):
+        """The tokens seen (a tensor, as `StaticLayer`'s, so that a compiled step does not specialize on it)."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "The masks of a sliding-window static cache are built outside the compiled step (they depend on the "
+                "tokens seen): pass `attention_mask=model.create_masks_for_generate(...)`, as `generate` does."
+            )
+        self.cumulative_length_int = int(self.cumulative_length) if self.is_initialized else 0
+        return super().get_mask_sizes(query_length)
+
+    def query_slot(self) -> torch.Tensor:
+        """The slot of the first new token among the keys the next update returns (before it)."""
+        return self.cumulative_length.clamp(max=self.max_cache_len - 1)
+
+
+def query_slot(cache: Cache, layer_idx: int, query_length: int):
+    """The index, among the keys `cache.update` returns for `layer_idx`, of the first of `query_length` new tokens
+    (a static cache's keys are longer than the tokens seen; a sliding window's start past the first token), read
+    before the update: the tokens seen minus the first slot's position."""
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, DATStaticSlidingWindowLayer):
+        return layer.query_slot()
+    return cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
+
+
 def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True) -> Cache | None:
-    """Give a fresh cache DAT's layers: `DATStaticLayer`s in a `StaticCache`, and with `in_place`
-    `InPlaceCacheLayer`s in a `DynamicCache` (not offloaded; `capacity` is the longest sequence expected, the buffers
-    grow past it if needed); both halves of an `EncoderDecoderCache`. Layers already in use are left alone. Returns
-    `cache`."""
+    """Give a fresh cache DAT's layers: `DATStaticLayer`s (`DATStaticSlidingWindowLayer`s for sliding layers) in a
+    `StaticCache`, and with `in_place` `InPlaceCacheLayer`s for the full layers of a `DynamicCache` (not offloaded;
+    `capacity` is the longest sequence expected, the buffers grow past it if needed); both halves of an
+    `EncoderDecoderCache`. Layers already in use are left alone. Returns `cache`."""
     if isinstance(cache, EncoderDecoderCache):
         prepare_cache(cache.self_attention_cache, capacity, in_place)
         prepare_cache(cache.cross_attention_cache, None, in_place)
@@ -118,6 +191,8 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
         for i, layer in enumerate(cache.layers):
             if type(layer) is StaticLayer and not layer.is_initialized:
                 cache.layers[i] = DATStaticLayer(layer.max_cache_len)
+            elif type(layer) is StaticSlidingWindowLayer and not layer.is_initialized:
+                cache.layers[i] = DATStaticSlidingWindowLayer(layer.max_cache_len, sliding_window=layer.max_cache_len)
     return cache
 
 
@@ -134,4 +209,5 @@ def check_cache(cache: Cache) -> None:
                 )
 
 
-__all__ = ["DATStaticLayer", "InPlaceCacheLayer", "check_cache", "prepare_cache"]
+__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "check_cache", "prepare_cache",
+           "query_slot"]

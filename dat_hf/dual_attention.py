@@ -21,6 +21,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .cache_dat import query_slot
 from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
@@ -407,7 +408,7 @@ class DualAttention(nn.Module):
         query_offset = None  # position-relative symbols need the receivers' cache index (a static cache is longer)
         if past_key_values is not None and relational is not None and relational.relative_symbols:
             # (a copy: a static layer counts its length in a tensor that the update below increments in place)
-            query_offset = torch.as_tensor(past_key_values.get_seq_length(self.layer_idx)).clone()
+            query_offset = torch.as_tensor(query_slot(past_key_values, self.layer_idx, n)).clone()
         if past_key_values is not None:
             value_cache = torch.cat(values, dim=-1) if len(values) > 1 else values[0]
             key_cache, value_cache = past_key_values.update(key_cache, value_cache[:, None], self.layer_idx)

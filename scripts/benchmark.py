@@ -338,6 +338,15 @@ def _guard_check(model, inputs, calls=2000):
         return none | {"guard_check_error": repr(error)}
 
 
+def _cache_bytes(cache) -> int:
+    """Bytes a generation's cache holds: every layer's keys and values (the buffers behind them, where a layer keeps
+    spare room)."""
+    tensors = []
+    for layer in cache.layers:
+        tensors += getattr(layer, "_buffers", None) or (layer.keys, layer.values)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def _compile_counts():
     """Graphs Dynamo compiled and graphs inductor ran without CUDA graphs (on CUDA: an op or input they cannot hold;
     every graph on CPU), so far in this process."""
@@ -394,10 +403,12 @@ def worker_generate(args):
         clock = _step_clock(device)
         device.sync()
         start = time.perf_counter()
-        model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       logits_processor=[clock], **kwargs)
+        out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             logits_processor=[clock], return_dict_in_generate=True, **kwargs)
+        cache_bytes[0] = _cache_bytes(out.past_key_values)
         return start, clock.times
 
+    cache_bytes = [None]
     skip_guards = args.skip_guards and args.compile
     with torch.no_grad(), device.attention():
         # warm-up: one-time costs (kernels, compilation, first allocations) are not per-token costs; without guards,
@@ -425,6 +436,7 @@ def worker_generate(args):
     print(json.dumps({"decode_ms_per_token": None if decode is None else 1000 * decode,
                       "forward_ms_per_token": None if forward is None else 1000 * forward,
                       "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
+                      "cache_mib": None if cache_bytes[0] is None else cache_bytes[0] / 2**20,
                       "relational_backend": relational_backend(model), **compiled, **device.record()}))
 
 
@@ -550,7 +562,7 @@ def main_train(args):
 
 def main_generate(args):
     table = measure("generate", args, args.prompt, "prompt",
-                    ("decode_ms_per_token", "forward_ms_per_token", "ms_per_token", "prefill_s"))
+                    ("decode_ms_per_token", "forward_ms_per_token", "ms_per_token", "prefill_s", "cache_mib"))
     compiled = ""
     if args.compile:
         compiled = "compiled" + (f" with {' '.join(args.compile_options)}" if args.compile_options else "") + (
@@ -558,10 +570,11 @@ def main_generate(args):
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
           f"{args.dtype}, {compiled}{args.cache if not args.compile else 'static'} cache{sdpa_note(args)}); decode = "
           "median ms per step after the prompt, forward = median ms of the model forward alone in those steps (the "
-          "rest of a step is generate's loop), with prompt = total time / new tokens")
+          "rest of a step is generate's loop), with prompt = total time / new tokens, cache = the memory its cache holds")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
     others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'forward ms':>11} {'with prompt':>12} {'prefill s':>10}"
+          f" {'cache MiB':>10}"
           + "".join(f" {'decode/' + o:>19}" for o in others) + "".join(f" {'forward/' + o:>19}" for o in others))
     for prompt, row in table.items():
         for impl, r in row.items():
@@ -570,6 +583,7 @@ def main_generate(args):
             print(f"{prompt:>7} {impl:>10} {cell(r['decode_ms_per_token'], '.2f'):>10} "
                   f"{cell(r['forward_ms_per_token'], '.2f'):>11} "
                   f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10}"
+                  f" {cell(r['cache_mib'], '.1f'):>10}"
                   + "".join(f" {ratio_cell(r['ratios'].get(f'decode_ms_per_token/{o}'), True):>19}" for o in others)
                   + "".join(f" {ratio_cell(r['ratios'].get(f'forward_ms_per_token/{o}'), True):>19}" for o in others))
     if args.compile:

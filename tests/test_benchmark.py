@@ -95,7 +95,8 @@ def test_benchmark_generate_smoke(tmp_path):
         assert results[impl]["prefill_s"] > 0
     for impl in ("dat_hf", "llama"):  # the model forward alone, within the decoding step
         assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
-    assert results["reference"]["forward_ms_per_token"] is None
+        assert results[impl]["cache_mib"] > 0, results[impl]  # what the generation's cache holds
+    assert results["reference"]["forward_ms_per_token"] is None and results["reference"]["cache_mib"] is None
     assert "decode/llama" in stdout and "forward/llama" in stdout
 
 

@@ -117,8 +117,9 @@ def test_incremental_logits_with_attentions_match(model):
         out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, output_attentions=True)
         torch.testing.assert_close(out.logits[:, -1], full[:, t], atol=ATOL, rtol=0)
         cache = out.past_key_values
-        if out.attentions:
-            assert out.attentions[0].shape[-2:] == (1, t + 1)
+        if out.attentions:  # over the cached tokens (a sliding-window layer keeps the window and the token)
+            kept = t + 1 if model.config.layer_types[0] == "full_attention" else min(t + 1, model.config.sliding_window)
+            assert out.attentions[0].shape[-2:] == (1, kept)
 
 
 # Known bug, left open on purpose (see the report to the lead): the `sparse` graph (blocks, global tokens, explicit

@@ -21,6 +21,7 @@ from conftest import tiny_config
 from relational_cases import (RELATION_SCALING, SCALING, Heads, additive_from_bool, assert_close, causal_and,
                               make_inputs, random_bool_mask, right_padding)
 from torch.nn.attention.flex_attention import create_block_mask
+from transformers import DynamicCache, StaticCache
 
 import dat_hf
 import dat_hf.relational_attention as relational_attention
@@ -487,9 +488,9 @@ def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("backend", ["cpu", "sdpa", "eager"])
 def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, backend, cache):
-    """A decoding step is one block of receivers: with a sliding window over a long cache (a static cache's empty
-    slots beyond it) both head types read only the senders the window allows, with the tokens and logits of attending
-    over the whole cache."""
+    """A decoding step is one block of receivers: with a sliding window over a long cache of full layers (a user's, or
+    where the window is on one head type of some layer; a static cache's empty slots beyond it) both head types read
+    only the senders the window allows, with the tokens and logits of attending over the whole cache."""
     import dat_hf.dual_attention as dual_attention
     import dat_hf.masking_dat as masking_dat
 
@@ -514,9 +515,11 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, bac
     spy(dual_attention.RelationalAttention)
 
     def generate():
+        # full cache layers (the model's own would keep only the window: `DATConfig.layer_types`)
+        full_cache = StaticCache(tiny_config(), max_cache_len=206) if cache == "static" else DynamicCache()
         out = model.generate(prompt, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                             **({"cache_implementation": "static"} if cache == "static" else {}))
+                             past_key_values=full_cache)
         return out.sequences, torch.stack(out.logits)
 
     tokens, logits = generate()

@@ -7,7 +7,12 @@
   step as one graph (no graph break) that serves every step (no recompilation), same tokens; the graph is one that
   CUDA graphs can hold (what generate's compiled decoding uses on a GPU): no op they refuse, and every input it writes
   (the cache's buffers) at a fixed address;
-- a `StaticCache` passed by the user gets DAT's layers; one filled by another model is refused with a clear error.
+- a `StaticCache` passed by the user gets DAT's layers; one filled by another model is refused with a clear error;
+- a model whose layers use the `sliding_window` graph on both head types gets sliding-window cache layers
+  (`DATConfig.layer_types`): static ones of `window + 1` slots, whatever the length, which give the logits of
+  generation without a cache (as do the dynamic ones) whether the prompt or the decoding fills the window, with left
+  padding, GQA, position-relative symbols and layers of both kinds; one compiled graph serves every step, also
+  across the step that fills the window.
 """
 
 import pytest
@@ -19,7 +24,8 @@ from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
-from dat_hf.cache_dat import DATStaticLayer
+from dat_hf.cache_dat import DATStaticLayer, DATStaticSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 LM_CASES = {
     "default": (dict(), False),
@@ -132,9 +138,9 @@ def dynamo_counters():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["sliding-window", "relu-relations"])
+@pytest.mark.parametrize("name", ["sliding-window", "relu-relations", "decoding-fills-window"])
 def test_compiled_static_decoding_is_one_graph(name, dynamo_counters):
-    overrides, padded = LM_CASES[name]
+    overrides, padded = {**LM_CASES, **SLIDING_CASES}[name]
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(**overrides)).eval()
     prompt, mask = prompt_and_mask(padded)
@@ -146,6 +152,76 @@ def test_compiled_static_decoding_is_one_graph(name, dynamo_counters):
     assert dict(dynamo_counters["graph_break"]) == {}
     assert dynamo_counters["stats"]["unique_graphs"] == 1  # one trace served all nine decoding steps
     assert_cuda_graph_safe(graphs)
+
+
+# sliding-window cache layers: the tiny model's two layers, prompts of 7 tokens, 10 new ones
+SLIDING_CASES = {
+    "prompt-fills-window": (dict(relational_bias="sliding_window", sliding_window_size=3), True),  # 4 slots
+    "decoding-fills-window": (dict(relational_bias="sliding_window", sliding_window_size=9,  # 10 slots
+                                   num_relational_key_value_heads=1, num_sensory_key_value_heads=1), True),
+    "position-relative-symbols": (dict(relational_bias="sliding_window", sliding_window_size=4,
+                                       symbol_retrieval="position_relative"), True),
+    "a-sliding-and-a-causal-layer": (dict(relational_bias=["causal", "sliding_window"], sliding_window_size=2), True),
+}
+
+
+def test_layer_types_follow_the_graphs_of_both_head_types():
+    assert tiny_config(relational_bias="sliding_window", sliding_window_size=3).layer_types == ["sliding_attention"] * 2
+    assert tiny_config(relational_bias="sliding_window", sliding_window_size=3).sliding_window == 4
+    mixed = tiny_config(relational_bias=["causal", "sliding_window"], sliding_window_size=3)
+    assert mixed.layer_types == ["full_attention", "sliding_attention"]
+    # a window on one head type of some layer: its mask is shared with full layers, so no layer slides
+    one_sided = tiny_config(relational_bias="sliding_window", relational_heads_bias=["sliding_window", "causal"],
+                            sliding_window_size=3)
+    assert one_sided.layer_types == ["full_attention"] * 2
+    assert tiny_config().layer_types == ["full_attention"] * 2 and tiny_config().sliding_window is None
+    config = tiny_config()
+    config.sliding_window = 5  # Transformers' name, as its tests set it
+    assert config.sliding_window_size == 4
+    assert "layer_types" not in tiny_config().to_dict()  # derived, not saved
+
+
+@pytest.mark.parametrize("name", list(SLIDING_CASES))
+def test_sliding_window_caches_give_the_logits_of_generation_without_a_cache(name):
+    overrides, padded = SLIDING_CASES[name]
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(**overrides)).eval()
+    prompt, mask = prompt_and_mask(padded)
+    expected = greedy(model, prompt, mask, use_cache=False)
+    window = model.config.sliding_window
+    for implementation, sliding_layer in (("static", DATStaticSlidingWindowLayer), ("dynamic", DynamicSlidingWindowLayer)):
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                             cache_implementation=implementation)
+        assert_same_generation((out.sequences, torch.stack(out.logits)), expected)
+        for layer, layer_type in zip(out.past_key_values.layers, model.config.layer_types):
+            assert isinstance(layer, sliding_layer) == (layer_type == "sliding_attention"), implementation
+            if layer_type == "sliding_attention":  # the window and the token, of 17 tokens
+                assert layer.keys.shape[-2] == window - (implementation == "dynamic"), implementation
+
+
+@pytest.mark.parametrize("symbols", ["symbolic_attention", "position_relative"])
+def test_chunks_into_a_sliding_window_static_cache(symbols):
+    """Every kind of update of `DATStaticSlidingWindowLayer` (6 slots): one token before and once the window is full,
+    several tokens that fit, that fill it, and after it is full; each chunk's logits are the full forward's."""
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=5,
+                                       symbol_retrieval=symbols)).eval()
+    tokens = torch.randint(1, 97, (2, 15))
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    logits, start = [], 0
+    with torch.no_grad():
+        expected = model(tokens).logits
+        for size in (1, 1, 5, 1, 4, 1, 2):
+            positions = torch.arange(start, start + size)[None].expand(2, -1)
+            logits.append(model(tokens[:, start:start + size], past_key_values=cache, position_ids=positions).logits)
+            start += size
+    assert all(isinstance(layer, DATStaticSlidingWindowLayer) and layer.keys.shape[-2] == 6 for layer in cache.layers)
+    torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
+    cache.reset()  # and again from the start
+    with torch.no_grad():
+        again = model(tokens[:, :9], past_key_values=cache).logits
+    torch.testing.assert_close(again, expected[:, :9], atol=1e-5, rtol=0)
 
 
 def test_compiled_seq2seq_static_decoding_is_one_graph(dynamo_counters):
