@@ -46,11 +46,17 @@ def prompt_and_mask(padded, batch=2, n=7):
     return prompt, mask
 
 
+def tiny_model_and_prompt(overrides, padded):
+    """(the tiny LM with `overrides`, prompt, padding mask)."""
+    torch.manual_seed(0)
+    return (DATForCausalLM(tiny_config(**overrides)).eval(), *prompt_and_mask(padded))
+
+
 def greedy(model, prompt, mask, **kwargs):
-    """(tokens, the logits of every step)."""
+    """(tokens, the logits of every step, the cache)."""
     out = model.generate(prompt, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                          pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences, torch.stack(out.logits)
+    return out.sequences, torch.stack(out.logits), out.past_key_values
 
 
 def assert_same_generation(got, expected):
@@ -60,10 +66,7 @@ def assert_same_generation(got, expected):
 
 @pytest.mark.parametrize("name", list(LM_CASES))
 def test_static_cache_generation_equals_dynamic(name):
-    overrides, padded = LM_CASES[name]
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(**overrides)).eval()
-    prompt, mask = prompt_and_mask(padded)
+    model, prompt, mask = tiny_model_and_prompt(*LM_CASES[name])
     expected = greedy(model, prompt, mask)
     got = greedy(model, prompt, mask, cache_implementation="static")
     assert_same_generation(got, expected)
@@ -140,10 +143,7 @@ def dynamo_counters():
 
 @pytest.mark.parametrize("name", ["sliding-window", "relu-relations", "decoding-fills-window"])
 def test_compiled_static_decoding_is_one_graph(name, dynamo_counters):
-    overrides, padded = {**LM_CASES, **SLIDING_CASES}[name]
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(**overrides)).eval()
-    prompt, mask = prompt_and_mask(padded)
+    model, prompt, mask = tiny_model_and_prompt(*{**LM_CASES, **SLIDING_CASES}[name])
     expected = greedy(model, prompt, mask)
     graphs = []
     got = greedy(model, prompt, mask, cache_implementation="static",
@@ -183,18 +183,14 @@ def test_layer_types_follow_the_graphs_of_both_head_types():
 
 @pytest.mark.parametrize("name", list(SLIDING_CASES))
 def test_sliding_window_caches_give_the_logits_of_generation_without_a_cache(name):
-    overrides, padded = SLIDING_CASES[name]
-    torch.manual_seed(0)
-    model = DATForCausalLM(tiny_config(**overrides)).eval()
-    prompt, mask = prompt_and_mask(padded)
+    model, prompt, mask = tiny_model_and_prompt(*SLIDING_CASES[name])
     expected = greedy(model, prompt, mask, use_cache=False)
     window = model.config.sliding_window
-    for implementation, sliding_layer in (("static", DATStaticSlidingWindowLayer), ("dynamic", DynamicSlidingWindowLayer)):
-        out = model.generate(prompt, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                             cache_implementation=implementation)
-        assert_same_generation((out.sequences, torch.stack(out.logits)), expected)
-        for layer, layer_type in zip(out.past_key_values.layers, model.config.layer_types):
+    for implementation, sliding_layer in (("static", DATStaticSlidingWindowLayer),
+                                          ("dynamic", DynamicSlidingWindowLayer)):
+        got = greedy(model, prompt, mask, cache_implementation=implementation)
+        assert_same_generation(got, expected)
+        for layer, layer_type in zip(got[2].layers, model.config.layer_types):
             assert isinstance(layer, sliding_layer) == (layer_type == "sliding_attention"), implementation
             if layer_type == "sliding_attention":  # the window and the token, of 17 tokens
                 assert layer.keys.shape[-2] == window - (implementation == "dynamic"), implementation
