@@ -11,6 +11,8 @@
 #   train    343M shapes, bf16, train step and peak memory vs Llama at 1024, 2048, 4096 and 8192 tokens
 #   decode   343M, bf16, ms/token after 1k and 8k prompts (dynamic cache), then compiled static-cache decoding
 #            (one graph for every step, held by CUDA graphs: counted in the table)
+#   decode_window  343M, bf16, compiled decoding after an 8k prompt with a sliding window of 256 on every head (its
+#            cache keeps the window: CUDA graphs must hold the shifting update) vs the same model causal
 #   flex     the flex_attention backends on CUDA (tests/flex_attention_checks.py: models vs eager, values and
 #            gradients, every relational bias; generation; 343M shapes compile in bf16)
 #   flex_train  343M shapes, bf16: train step vs Llama with every head on FlexAttention, 2048 and 4096 tokens
@@ -75,6 +77,10 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             # (the table counts the graphs the timed run compiled and those run without CUDA graphs; the log says why)
             stage decode_compiled env TORCH_LOGS=recompiles,perf_hints "${BENCH[@]}" generate "${CUDA[@]}" \
                 --prompt 1024 --new-tokens 128 --compile --out "$OUT/decode_compiled" || status=1 ;;
+        decode_window)
+            stage decode_window env TORCH_LOGS=recompiles,perf_hints "${BENCH[@]}" generate "${CUDA[@]}" \
+                --impls dat_hf dat_hf_causal --relational-bias sliding_window --window 256 --prompt 8192 \
+                --new-tokens 128 --compile --out "$OUT/decode_window" || status=1 ;;
         flex)
             stage flex python3 -m pytest -q -s -p no:cacheprovider tests/flex_attention_checks.py || status=1 ;;
         flex_train)
@@ -86,7 +92,7 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
                 --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, flex, flex_train, reference)" >&2
+            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, decode_window, flex, flex_train, reference)" >&2
             status=2 ;;
     esac
 done
