@@ -15,8 +15,8 @@ their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decodi
 from functools import partial
 
 import torch
-from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, EncoderDecoderCache, StaticCache, StaticLayer,
-                                      StaticSlidingWindowLayer)
+from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
+                                      StaticCache, StaticLayer, StaticSlidingWindowLayer)
 
 
 class InPlaceCacheLayer(DynamicLayer):
@@ -86,9 +86,12 @@ class InPlaceCacheLayer(DynamicLayer):
 
 class DATStaticLayer(StaticLayer):
     """A `StaticLayer` whose values have their own head count: keys `[b, h_kv, max_len, d_h]`, values
-    `[b, 1, max_len, width]` (`StaticLayer` sizes both from the keys' heads)."""
+    `[b, 1, max_len, width]` (`StaticLayer` sizes both from the keys' heads). `max_cache_len=None`: the length of
+    the first update (a cross-attention layer, written once with the encoder's states)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.max_cache_len is None:
+            self.max_cache_len = key_states.shape[-2]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
@@ -173,26 +176,34 @@ def query_slot(cache: Cache, layer_idx: int, query_length: int):
     return cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
 
 
-def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True) -> Cache | None:
+def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
+                  cross_attention: bool = False) -> Cache | None:
     """Give a fresh cache DAT's layers: `DATStaticLayer`s (`DATStaticSlidingWindowLayer`s for sliding layers) in a
     `StaticCache`, and with `in_place` `InPlaceCacheLayer`s for the full layers of a `DynamicCache` (not offloaded;
     `capacity` is the longest sequence expected, the buffers grow past it if needed); both halves of an
-    `EncoderDecoderCache`. Layers already in use are left alone. Returns `cache`."""
+    `EncoderDecoderCache`, whose cross-attention half always gets full layers (Transformers makes it from the
+    decoder's config, sliding layers included). Layers already in use are left alone. Returns `cache`."""
     if isinstance(cache, EncoderDecoderCache):
         prepare_cache(cache.self_attention_cache, capacity, in_place)
-        prepare_cache(cache.cross_attention_cache, None, in_place)
-    elif type(cache) is DynamicCache and in_place and not getattr(cache, "offloading", False):
+        prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
+    elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
         for i, layer in enumerate(cache.layers):
-            if type(layer) is DynamicLayer and not layer.is_initialized:
+            if layer.is_initialized:
+                continue
+            if type(layer) is DynamicLayer and in_place:
                 cache.layers[i] = InPlaceCacheLayer(capacity)
-        if cache.layer_class_to_replicate is DynamicLayer:
+            elif type(layer) is DynamicSlidingWindowLayer and cross_attention:  # (the decoder's config made it)
+                cache.layers[i] = InPlaceCacheLayer(capacity) if in_place else DynamicLayer()
+        if cache.layer_class_to_replicate is DynamicLayer and in_place:
             cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
     elif isinstance(cache, StaticCache):
         for i, layer in enumerate(cache.layers):
             if type(layer) is StaticLayer and not layer.is_initialized:
                 cache.layers[i] = DATStaticLayer(layer.max_cache_len)
             elif type(layer) is StaticSlidingWindowLayer and not layer.is_initialized:
-                cache.layers[i] = DATStaticSlidingWindowLayer(layer.max_cache_len, sliding_window=layer.max_cache_len)
+                cache.layers[i] = (DATStaticLayer(None) if cross_attention  # (sized by the encoder's states)
+                                   else DATStaticSlidingWindowLayer(layer.max_cache_len,
+                                                                    sliding_window=layer.max_cache_len))
     return cache
 
 

@@ -229,6 +229,28 @@ class DualAttentionConfig(PreTrainedConfig):
         return [(self.layer_bias(i, relational=False), self.layer_bias(i, relational=True))
                 for i in range(self.num_hidden_layers)]
 
+    @property
+    def layer_types(self) -> list[str]:
+        """Each (decoder) layer's cache type, as Transformers' caches read it: `sliding_attention` (the cache keeps
+        the last `sliding_window` tokens) where both head types use the `sliding_window` graph, else
+        `full_attention`. A bias's mask is built once per forward for every layer, sized by one kind of cache layer,
+        so a model where some layer has the window on one head type only keeps full layers."""
+        biases = self.layer_biases()
+        one_sided = any((sensory == "sliding_window") != (relational == "sliding_window")
+                        for sensory, relational in biases)
+        return ["sliding_attention" if not one_sided and sensory == "sliding_window" else "full_attention"
+                for sensory, _ in biases]
+
+    @property
+    def sliding_window(self) -> int | None:
+        """`sliding_window_size` in Transformers' convention (the tokens a `sliding_attention` cache layer keeps:
+        the window and the token itself, `sliding_window_size + 1`); setting it sets `sliding_window_size`."""
+        return None if self.sliding_window_size is None else self.sliding_window_size + 1
+
+    @sliding_window.setter
+    def sliding_window(self, value: int | None):
+        self.sliding_window_size = None if value is None else value - 1
+
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_dual_attention(self):
         """Raise a ValueError naming the field for every invalid value or combination."""
@@ -357,28 +379,6 @@ class DATConfig(DualAttentionConfig):
     def __post_init__(self, **kwargs):
         _check_positive("vocab_size", self.vocab_size)
         super().__post_init__(**kwargs)
-
-    @property
-    def layer_types(self) -> list[str]:
-        """Each layer's cache type, as Transformers' caches read it: `sliding_attention` (the cache keeps the last
-        `sliding_window` tokens) where both head types use the `sliding_window` graph, else `full_attention`. A
-        bias's mask is built once per forward for every layer, sized by one kind of cache layer, so a model where
-        some layer has the window on one head type only keeps full layers."""
-        biases = self.layer_biases()
-        one_sided = any((sensory == "sliding_window") != (relational == "sliding_window")
-                        for sensory, relational in biases)
-        return ["sliding_attention" if not one_sided and sensory == "sliding_window" else "full_attention"
-                for sensory, _ in biases]
-
-    @property
-    def sliding_window(self) -> int | None:
-        """`sliding_window_size` in Transformers' convention (the tokens a `sliding_attention` cache layer keeps:
-        the window and the token itself, `sliding_window_size + 1`); setting it sets `sliding_window_size`."""
-        return None if self.sliding_window_size is None else self.sliding_window_size + 1
-
-    @sliding_window.setter
-    def sliding_window(self, value: int | None):
-        self.sliding_window_size = None if value is None else value - 1
 
 
 @auto_docstring(

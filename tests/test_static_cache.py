@@ -72,26 +72,43 @@ def test_static_cache_generation_equals_dynamic(name):
     assert_same_generation(got, expected)
 
 
-def seq2seq_model():
+# the decoder's window on the relational heads only (full cache layers), or on both head types (sliding ones)
+SEQ2SEQ_WINDOWS = {"relational-window": dict(relational_heads_bias="sliding_window"),
+                   "window-on-both": dict(relational_bias="sliding_window")}
+
+
+def seq2seq_model(window="relational-window"):
     torch.manual_seed(3)
     config = DATSeq2SeqConfig(vocab_size=40, hidden_size=32, encoder_layers=2, num_hidden_layers=2,
                               num_sensory_heads=2, num_relational_heads=2, cross_attention="dual",
                               intermediate_size=64, num_symbols=8, symbolic_attention_heads=2,
-                              decoder_start_token_id=1, pad_token_id=0, relational_heads_bias="sliding_window",
-                              sliding_window_size=3)
+                              decoder_start_token_id=1, pad_token_id=0, sliding_window_size=3,
+                              **SEQ2SEQ_WINDOWS[window])
     return DATForSeq2SeqLM(config).eval()
 
 
-def test_seq2seq_static_cache_generation_equals_dynamic():
-    model = seq2seq_model()
+@pytest.mark.parametrize("window", list(SEQ2SEQ_WINDOWS))
+def test_seq2seq_static_cache_generation_equals_dynamic(window):
+    """... and generation without a cache; with the window on both head types the decoder's self-attention caches
+    keep 4 slots, while the cross-attention caches (made from the same config) keep the whole source."""
+    model = seq2seq_model(window)
     source = torch.randint(2, 40, (2, 9))
     mask = torch.ones_like(source)
     mask[1, 6:] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
-    expected = model.generate(source, **kwargs)
-    got = model.generate(source, cache_implementation="static", **kwargs)
-    assert_same_generation((got.sequences, torch.stack(got.logits)), (expected.sequences, torch.stack(expected.logits)))
+    expected = model.generate(source, use_cache=False, **kwargs)
+    for implementation in ("dynamic", "static"):
+        got = model.generate(source, cache_implementation=implementation, **kwargs)
+        assert_same_generation((got.sequences, torch.stack(got.logits)),
+                               (expected.sequences, torch.stack(expected.logits)))
+        cache = got.past_key_values
+        sliding = window == "window-on-both"
+        for layer in cache.self_attention_cache.layers:
+            assert layer.is_sliding == sliding, implementation
+            assert not sliding or layer.keys.shape[-2] == 4 - (implementation == "dynamic"), implementation
+        for layer in cache.cross_attention_cache.layers:
+            assert not layer.is_sliding and layer.keys.shape[-2] == 9, implementation
 
 
 def cuda_graph_check(graphs):
@@ -220,8 +237,9 @@ def test_chunks_into_a_sliding_window_static_cache(symbols):
     torch.testing.assert_close(again, expected[:, :9], atol=1e-5, rtol=0)
 
 
-def test_compiled_seq2seq_static_decoding_is_one_graph(dynamo_counters):
-    model = seq2seq_model()
+@pytest.mark.parametrize("window", list(SEQ2SEQ_WINDOWS))
+def test_compiled_seq2seq_static_decoding_is_one_graph(window, dynamo_counters):
+    model = seq2seq_model(window)
     source = torch.randint(2, 40, (2, 9))
     expected = model.generate(source, max_new_tokens=8, do_sample=False)
     graphs = []
