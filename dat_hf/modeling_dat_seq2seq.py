@@ -749,6 +749,14 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
     def get_decoder(self):
         return self.model.decoder
 
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+        # A compileable cache gets the decoder's masks built before the step (`create_masks_for_generate`), which
+        # Transformers 5.17 does only when given a decoder padding mask: the decoder's tokens are all real, so give
+        # it the all-ones one (a sliding-window static cache cannot have its masks built in a compiled step).
+        if getattr(past_key_values, "is_compileable", False) and kwargs.get("decoder_attention_mask") is None:
+            kwargs["decoder_attention_mask"] = torch.ones_like(input_ids)
+        return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
         """Decoder inputs for `labels` (used by `DataCollatorForSeq2Seq`): labels shifted right behind
         `decoder_start_token_id`, -100 replaced by `pad_token_id`."""
