@@ -11,8 +11,9 @@
 - a model whose layers use the `sliding_window` graph on both head types gets sliding-window cache layers
   (`DATConfig.layer_types`): static ones of `window + 1` slots, whatever the length, which give the logits of
   generation without a cache (as do the dynamic ones) whether the prompt or the decoding fills the window, with left
-  padding, GQA, position-relative symbols and layers of both kinds; one compiled graph serves every step, also
-  across the step that fills the window.
+  padding, GQA, position-relative symbols and layers of both kinds, and beam search's scores; one compiled graph
+  serves every step, also across the step that fills the window; the seq2seq decoder's self-attention likewise, its
+  cross-attention caches keeping the whole source.
 """
 
 import pytest
@@ -211,6 +212,18 @@ def test_sliding_window_caches_give_the_logits_of_generation_without_a_cache(nam
             assert isinstance(layer, sliding_layer) == (layer_type == "sliding_attention"), implementation
             if layer_type == "sliding_attention":  # the window and the token, of 17 tokens
                 assert layer.keys.shape[-2] == window - (implementation == "dynamic"), implementation
+
+
+def test_beam_search_with_sliding_window_caches():
+    """Beams reorder the sliding-window layers (`reorder_cache`): the sequences of beam search without a cache."""
+    model, prompt, mask = tiny_model_and_prompt(*SLIDING_CASES["prompt-fills-window"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, num_beams=3, num_return_sequences=3,
+                  do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    expected = model.generate(prompt, use_cache=False, **kwargs)
+    for implementation in ("dynamic", "static"):
+        got = model.generate(prompt, cache_implementation=implementation, **kwargs)
+        assert torch.equal(got.sequences, expected.sequences), implementation
+        torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("symbols", ["symbolic_attention", "position_relative"])
