@@ -111,7 +111,7 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
     windowed step reads and keeps `max_cache_len` slots however long the sequence.
 
     The tokens seen are counted in a tensor only (Transformers' layer branches on a Python int, which Dynamo guards:
-    a graph per token), and a one-token update has no branch: shift left by one when full, write at slot
+    a graph per token), and a compiled one-token update has no branch: shift left by one when full, write at slot
     min(seen, max_cache_len - 1). Longer updates (a prefill) run eagerly. `get_mask_sizes` reads the count on the host,
     so the masks are built outside a compiled step (as `generate` builds them, `create_masks_for_generate`).
     """
@@ -120,7 +120,8 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         size, new = self.max_cache_len, key_states.shape[-2]
-        if new == 1:
+        # (eager on CPU, reading the count is free and shifting by concatenation costs a quarter of roll + where)
+        if new == 1 and (torch.compiler.is_compiling() or self.device.type != "cpu"):
             seen = self.cumulative_length
             full, slot = seen >= size, seen.clamp(max=size - 1).view(1)
             for cache, state in ((self.keys, key_states), (self.values, value_states)):
