@@ -283,3 +283,21 @@ def test_a_users_static_cache():
     layer.lazy_initialization(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))  # as another model leaves it
     with pytest.raises(ValueError, match="filled by another model"):
         model(prompt, past_key_values=foreign)
+
+
+def test_a_compiled_forward_over_a_sliding_window_static_cache(dynamo_counters):
+    """A user's own `torch.compile(model.forward, fullgraph=True)` decoding step: with the masks built outside it
+    (`create_masks_for_generate`, as `generate` does) it gives the eager logits; building them inside is refused with
+    a message that says so (they depend on the tokens seen, which the cache counts in a tensor)."""
+    model, prompt, _ = tiny_model_and_prompt(*SLIDING_CASES["prompt-fills-window"])
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    step = torch.compile(model.forward, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+        token, padding = prompt[:, :1], torch.ones(2, 8, dtype=torch.long)
+        masks = model.create_masks_for_generate(model.config, torch.empty(2, 1, 0), padding, cache)
+        logits = step(token, attention_mask=masks, past_key_values=cache, position_ids=torch.full((2, 1), 7)).logits
+        expected = model(torch.cat([prompt, token], 1)).logits[:, -1:]
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+        with pytest.raises(Exception, match="built outside the compiled step"):
+            step(token, past_key_values=cache, position_ids=torch.full((2, 1), 8))
