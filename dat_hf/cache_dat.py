@@ -106,28 +106,28 @@ class DATStaticLayer(StaticLayer):
 
 
 class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
-    """A `StaticSlidingWindowLayer` (the last `max_cache_len` = min(sliding window, max length) tokens, oldest first)
-    with DAT's packed values (as `DATStaticLayer`), that one compiled decoding step serves for every token: a compiled
-    windowed step reads and keeps `max_cache_len` slots however long the sequence.
+    """A `StaticSlidingWindowLayer` (the last `max_cache_len` = min(sliding window, max length) tokens) with DAT's
+    packed values (as `DATStaticLayer`), that one compiled decoding step serves for every token, writing one slot:
+    a windowed step reads and keeps `max_cache_len` slots however long the sequence.
 
-    The tokens seen are counted in a tensor only (Transformers' layer branches on a Python int, which Dynamo guards:
-    a graph per token), and a compiled one-token update has no branch: shift left by one when full, write at slot
-    min(seen, max_cache_len - 1). Longer updates (a prefill) run eagerly. `get_mask_sizes` reads the count on the host,
-    so the masks are built outside a compiled step (as `generate` builds them, `create_masks_for_generate`).
+    A ring: the token at position t lives in slot t mod `max_cache_len`. A one-token update writes that slot (no
+    branch; the tokens seen are counted in a tensor only, where Transformers' layer branches on a Python int, which
+    Dynamo guards: a graph per token) and returns the slots in ring order; longer updates (a prefill, eagerly)
+    return the window's tokens oldest first, as Transformers' layer does. Transformers builds masks oldest first:
+    `to_slots` puts a one-token step's mask in ring order, and `relative_rows` gives the position-relative symbols
+    their offsets. `get_mask_sizes` reads the count on the host, so the masks are built outside a compiled step (as
+    `generate` builds them, `create_masks_for_generate`).
     """
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         size, new = self.max_cache_len, key_states.shape[-2]
-        # (eager on CPU, reading the count is free and shifting by concatenation costs a quarter of roll + where)
-        if new == 1 and (torch.compiler.is_compiling() or self.device.type != "cpu"):
-            seen = self.cumulative_length
-            full, slot = seen >= size, seen.clamp(max=size - 1).view(1)
-            for cache, state in ((self.keys, key_states), (self.values, value_states)):
-                cache.copy_(torch.where(full, cache.roll(-1, dims=-2), cache))
-                cache.index_copy_(2, slot, state)
-            seen.add_(1)
+        if new == 1:
+            slot = (self.cumulative_length % size).view(1)
+            self.keys.index_copy_(2, slot, key_states)
+            self.values.index_copy_(2, slot, value_states)
+            self.cumulative_length.add_(1)
             return self.keys, self.values
         if torch.compiler.is_compiling():
             raise ValueError(
@@ -135,17 +135,18 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
                 "prefill eagerly (as `generate` does)."
             )
         seen = int(self.cumulative_length)
-        if seen + new <= size:  # the window is not full yet: the new tokens go to their slots
+        if seen + new <= size:  # the window is not full yet: slots are positions
             for cache, state in ((self.keys, key_states), (self.values, value_states)):
                 cache[:, :, seen:seen + new].copy_(state)
             self.cumulative_length.add_(new)
             return self.keys, self.values
         # the new tokens see up to `size - 1` earlier ones: return those and the new ones, keep the last `size`
-        held = min(seen, size)
-        states = [torch.cat((cache[:, :, held - min(held, size - 1):held], state), dim=-2)
-                  for cache, state in ((self.keys, key_states), (self.values, value_states))]
-        for cache, state in zip((self.keys, self.values), states):
-            cache.copy_(state[:, :, -size:])
+        earlier = torch.arange(seen - min(seen, size - 1), seen, device=self.device) % size
+        kept = torch.arange(seen + new - size, seen + new, device=self.device) % size
+        states = []
+        for cache, state in ((self.keys, key_states), (self.values, value_states)):
+            states.append(torch.cat((cache.index_select(2, earlier), state), dim=-2))
+            cache.index_copy_(2, kept, states[-1][:, :, -size:])
         self.cumulative_length.add_(new)
         return tuple(states)
 
@@ -162,19 +163,39 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
         self.cumulative_length_int = int(self.cumulative_length) if self.is_initialized else 0
         return super().get_mask_sizes(query_length)
 
-    def query_slot(self) -> torch.Tensor:
-        """The slot of the first new token among the keys the next update returns (before it)."""
-        return self.cumulative_length.clamp(max=self.max_cache_len - 1)
+    def to_slots(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A mask `[..., q, kv]` built oldest first for the next update (after `get_mask_sizes`) -> in the order of
+        the keys that update returns (a one-token step over a full ring: slot s holds the ((s - seen - 1) mod
+        size)-th oldest token)."""
+        seen, size = self.cumulative_length_int, self.max_cache_len
+        if mask is None or mask.shape[-2] != 1 or seen < size:
+            return mask
+        return mask.roll((seen + 1) % size, dims=-1)
+
+    def query_slot(self, query_length: int) -> torch.Tensor:
+        """The index of the first new token among the keys the next update returns (before it)."""
+        seen = self.cumulative_length
+        return seen % self.max_cache_len if query_length == 1 else seen.clamp(max=self.max_cache_len - 1)
 
 
 def query_slot(cache: Cache, layer_idx: int, query_length: int):
     """The index, among the keys `cache.update` returns for `layer_idx`, of the first of `query_length` new tokens
-    (a static cache's keys are longer than the tokens seen; a sliding window's start past the first token), read
-    before the update: the tokens seen minus the first slot's position."""
+    (a static cache's keys are longer than the tokens seen; a sliding window's start past the first token, or, in a
+    ring, wherever its slot is), read before the update: the tokens seen minus the first slot's position."""
     layer = cache.layers[layer_idx]
     if isinstance(layer, DATStaticSlidingWindowLayer):
-        return layer.query_slot()
+        return layer.query_slot(query_length)
     return cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
+
+
+def ring_layer(cache: Cache | None, layer_idx: int | None = None) -> DATStaticSlidingWindowLayer | None:
+    """`cache`'s layer `layer_idx` (default: its first sliding layer) if it is a ring (`DATStaticSlidingWindowLayer`,
+    whose one-token steps return keys in slot order), else None."""
+    layers = getattr(cache, "layers", ())
+    if layer_idx is None:
+        layer_idx = next((i for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False)), len(layers))
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    return layer if isinstance(layer, DATStaticSlidingWindowLayer) else None
 
 
 def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
@@ -222,4 +243,4 @@ def check_cache(cache: Cache) -> None:
 
 
 __all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "check_cache", "prepare_cache",
-           "query_slot"]
+           "query_slot", "ring_layer"]

@@ -21,7 +21,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache_dat import query_slot
+from .cache_dat import query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
@@ -405,14 +405,18 @@ class DualAttention(nn.Module):
             else:
                 values.append(relational.symbol_proj(symbols).expand(b, n, -1))
             values.append(parts[-1])
-        query_offset = None  # position-relative symbols need the receivers' cache index (a static cache is longer)
-        if past_key_values is not None and relational is not None and relational.relative_symbols:
+        query_offset = ring = None  # position-relative symbols need the receivers' cache index (a static cache is
+        if past_key_values is not None and relational is not None and relational.relative_symbols:  # longer)
             # (a copy: a static layer counts its length in a tensor that the update below increments in place)
             query_offset = torch.as_tensor(query_slot(past_key_values, self.layer_idx, n)).clone()
+            ring = ring_layer(past_key_values, self.layer_idx)
         if past_key_values is not None:
             value_cache = torch.cat(values, dim=-1) if len(values) > 1 else values[0]
             key_cache, value_cache = past_key_values.update(key_cache, value_cache[:, None], self.layer_idx)
             values = value_cache[:, 0].split(self._value_widths, dim=-1)
+        if ring is not None:  # keys in slot order: the senders' offsets modulo the ring
+            relative_position_index = symbol_rows(relational, None, query_offset, 0, n, n, key_cache.shape[-2],
+                                                  hidden_states.device, ring.max_cache_len)
         values = self._value_views(values)  # [sensory values | symbol values] `[b, h_kv, N, d_h]`, relation keys
         keys = key_cache.split(self._key_heads, dim=1)
         queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)

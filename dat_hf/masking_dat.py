@@ -22,10 +22,13 @@ the blocks' masks come from Transformers' index functions, O(n * window)).
 import bisect
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
                                         create_causal_mask, create_sliding_window_causal_mask,
                                         sliding_window_bidirectional_mask_function,
                                         sliding_window_causal_mask_function)
+
+from .cache_dat import ring_layer
 
 
 class _Cut(torch.autograd.Function):
@@ -336,6 +339,16 @@ class _MaskFormat:
         return getattr(self._config, name)
 
 
+def _block_mask_of(allowed: torch.Tensor):
+    """The FlexAttention `BlockMask` of a bool mask `[b|1, 1, q, kv]`."""
+    batch = allowed.shape[0]
+
+    def mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+        return allowed[batch_idx if batch > 1 else 0, 0, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, batch, None, *allowed.shape[-2:], device=allowed.device)
+
+
 def uses_flex_attention(config) -> bool:
     """Whether some heads run FlexAttention (then masks also come as `BlockMask`s)."""
     return "flex_attention" in (config._attn_implementation, getattr(config, "relational_attn_implementation", None))
@@ -378,8 +391,11 @@ def build_attention_mask(
             if uses_flex_attention(config):  # FlexAttention heads skip the masked blocks with a BlockMask
                 blockwise.block_mask = create(config=_MaskFormat(config, "flex_attention", window), **inputs)
             return blockwise
-        masks = _both_formats(create, config, window, **inputs)
-        return _with_row_validity(*masks[:1], is_causal=not two_sided, block_mask=masks[1])
+        dense, block = _both_formats(create, config, window, **inputs)
+        ring = ring_layer(past_key_values)  # (a one-token step over a ring cache: its keys in slot order)
+        if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
+            dense, block = in_slots, None if block is None else _block_mask_of(in_slots)
+        return _with_row_validity(dense, is_causal=not two_sided, block_mask=block)
     and_fn = None
     if bias == "sparse":
         and_fn = _sparse_function(config, inputs_embeds.device, _token_positions(attention_mask))

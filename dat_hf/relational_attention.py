@@ -129,8 +129,10 @@ def per_head_symbols(module, symbol_values, batch_size: int):
 
 
 def symbol_rows(module, relative_position_index, query_offset, start: int, end: int, q_len: int, kv_len: int,
-                 device):
-    """Rows of the position-relative symbol table for receivers [start, end) (long `[m, kv]`), or None."""
+                device, ring: int | None = None):
+    """Rows of the position-relative symbol table for receivers [start, end) (long `[m, kv]`), or None. `ring`: keys
+    in a ring of that many slots, where a sender's offset is known modulo the ring (exact for a sliding window's
+    senders, at most `ring - 1` back)."""
     if not module.relative_symbols:
         return None
     if relative_position_index is not None:  # precomputed bins (e.g. 2-D offsets on an image grid)
@@ -138,7 +140,10 @@ def symbol_rows(module, relative_position_index, query_offset, start: int, end: 
     clip = module.max_relative_position
     offset = kv_len - q_len if query_offset is None else query_offset
     receivers = torch.arange(start, end, device=device)[:, None] + offset
-    return (torch.arange(kv_len, device=device)[None, :] - receivers).clamp(-clip, clip) + clip
+    offsets = torch.arange(kv_len, device=device)[None, :] - receivers
+    if ring is not None:
+        offsets = -((-offsets) % ring)
+    return offsets.clamp(-clip, clip) + clip
 
 
 # ---- the registry ----------------------------------------------------------------------------------------------

@@ -301,3 +301,18 @@ def test_a_compiled_forward_over_a_sliding_window_static_cache(dynamo_counters):
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
         with pytest.raises(Exception, match="built outside the compiled step"):
             step(token, past_key_values=cache, position_ids=torch.full((2, 1), 8))
+
+
+def test_a_ring_steps_block_mask_is_its_dense_mask():
+    """FlexAttention heads of a one-token step over a ring cache get a `BlockMask` of the mask in slot order
+    (`masking_dat._block_mask_of`): attention through it equals SDPA through the dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dat_hf.masking_dat import _block_mask_of
+
+    torch.manual_seed(0)
+    allowed = torch.rand(2, 1, 1, 300) < 0.5
+    query, key, value = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 300, 16), torch.randn(2, 2, 300, 16)
+    got = flex_attention(query, key, value, block_mask=_block_mask_of(allowed))
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
