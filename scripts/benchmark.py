@@ -570,7 +570,8 @@ def main_generate(args):
     print(f"\ngeneration, {args.new_tokens} new tokens (greedy, batch 1, {args.threads} threads, {args.device} "
           f"{args.dtype}, {compiled}{args.cache if not args.compile else 'static'} cache{sdpa_note(args)}); decode = "
           "median ms per step after the prompt, forward = median ms of the model forward alone in those steps (the "
-          "rest of a step is generate's loop), with prompt = total time / new tokens, cache = the memory its cache holds")
+          "rest of a step is generate's loop), with prompt = total time / new tokens, cache = the memory its cache "
+          "holds")
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
     others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'forward ms':>11} {'with prompt':>12} {'prefill s':>10}"

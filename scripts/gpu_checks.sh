@@ -92,7 +92,8 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
                 --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, decode_window, flex, flex_train, reference)" >&2
+            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, decode_window, flex, flex_train," \
+                "reference)" >&2
             status=2 ;;
     esac
 done

@@ -22,11 +22,10 @@ from conftest import tiny_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import get_first_incompatible_cudagraph_node
 from transformers import CompileConfig, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
 from dat_hf.cache_dat import DATStaticLayer, DATStaticSlidingWindowLayer
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
 LM_CASES = {
     "default": (dict(), False),
