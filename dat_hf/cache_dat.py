@@ -114,9 +114,10 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
     branch; the tokens seen are counted in a tensor only, where Transformers' layer branches on a Python int, which
     Dynamo guards: a graph per token) and returns the slots in ring order; longer updates (a prefill, eagerly)
     return the window's tokens oldest first, as Transformers' layer does. Transformers builds masks oldest first:
-    `to_slots` puts a one-token step's mask in ring order, and `relative_rows` gives the position-relative symbols
-    their offsets. `get_mask_sizes` reads the count on the host, so the masks are built outside a compiled step (as
-    `generate` builds them, `create_masks_for_generate`).
+    `to_slots` puts a one-token step's mask in ring order, and `query_slot` gives the receiver's slot, from which the
+    position-relative symbols take their offsets modulo the ring (`symbol_rows`). `get_mask_sizes` reads the count
+    on the host, so the masks are built outside a compiled step (as `generate` builds them,
+    `create_masks_for_generate`).
     """
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

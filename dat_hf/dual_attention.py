@@ -405,9 +405,10 @@ class DualAttention(nn.Module):
             else:
                 values.append(relational.symbol_proj(symbols).expand(b, n, -1))
             values.append(parts[-1])
-        query_offset = ring = None  # position-relative symbols need the receivers' cache index (a static cache is
-        if past_key_values is not None and relational is not None and relational.relative_symbols:  # longer)
-            # (a copy: a static layer counts its length in a tensor that the update below increments in place)
+        # position-relative symbols need the receivers' index among the cached keys (a static cache is longer, a
+        # sliding one starts later; a copy: a static layer counts its length in a tensor the update increments)
+        query_offset = ring = None
+        if past_key_values is not None and relational is not None and relational.relative_symbols:
             query_offset = torch.as_tensor(query_slot(past_key_values, self.layer_idx, n)).clone()
             ring = ring_layer(past_key_values, self.layer_idx)
         if past_key_values is not None:
