@@ -13,11 +13,33 @@ so the relational heads are one attention call whose values are `[symbol values 
 per token the attention key, the symbol value and the relation key. The cost per pair is `h (d_h + R d_r)`
 multiply-adds for the values, against `R d_r + h R` when relations are formed once for all heads (the compiled
 kernels). Signature and outputs as `relational_attention.eager_relational_attention`.
+
+FlexAttention's GPU kernels (Triton templates) hold a `[BLOCK_M, V]` accumulator and stage `[BLOCK_N, V]` value tiles
+in shared memory, `V` rounded up to a power of two, with tiles chosen for the query width alone: the values of the
+343M config (64 + 8 x 64 = 576 wide, 1024 rounded) would need 832 KiB of shared memory with H100's tiles for
+`d_h = 64` (it has 227 KiB). Off CPU the values therefore go in chunks (`flex_value_chunks`), one call each.
 """
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+# the widest value chunk of one FlexAttention call off CPU (or the query width rounded up to a power of two, if wider);
+# with queries 64 wide, inductor's forward tiles then take 160 KiB of shared memory on H100, 88 KiB on A100
+FLEX_VALUE_CHUNK = 128
+# devices whose FlexAttention kernel takes any value width in one call (the CPU kernel loops over it)
+WHOLE_VALUE_DEVICES = frozenset({"cpu"})
+
+
+def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> list[int]:
+    """The widths of the value chunks FlexAttention gets, one call each: the whole width on CPU; elsewhere chunks no
+    wider than `max(FLEX_VALUE_CHUNK, query width rounded up to a power of two)`. Each call recomputes the scores
+    (`d_h` multiply-adds and one exponential per pair and chunk)."""
+    if device_type in WHOLE_VALUE_DEVICES:
+        return [value_width]
+    widest = max(FLEX_VALUE_CHUNK, 1 << (query_width - 1).bit_length())
+    return [min(widest, value_width - start) for start in range(0, value_width, widest)]
 
 
 def _fused_values_attention(interface: str, module, query, key, symbol_values, relation_queries, relation_keys,
@@ -35,8 +57,11 @@ def _fused_values_attention(interface: str, module, query, key, symbol_values, r
         attention_mask = mask.mask
     else:
         attention_mask = mask.block_mask
-    out, _ = ALL_ATTENTION_FUNCTIONS[interface](
-        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, is_causal=mask.is_causal)
+    attend = ALL_ATTENTION_FUNCTIONS[interface]
+    widths = [value.shape[-1]] if interface == "sdpa" else flex_value_chunks(value.shape[-1], d, query.device.type)
+    outs = [attend(module, query, key, chunk, attention_mask, scaling=scaling, dropout=dropout,
+                   is_causal=mask.is_causal)[0] for chunk in value.split(widths, dim=-1)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     attended_symbols, attended_keys = out.split([d, num_relations * relation_dim], dim=-1)  # out [b, q, h, d_v]
     attended_keys = attended_keys.reshape(b, q_len, h, num_relations, relation_dim)
     attended_relations = (attended_keys * relation_queries[:, :, None]).sum(-1) * relation_scaling  # [b, q, h, R]
@@ -61,4 +86,4 @@ def flex_relational_attention(module, query, key, symbol_values, relation_querie
     return messages, None, None
 
 
-__all__ = ["flex_relational_attention", "sdpa_relational_attention"]
+__all__ = ["flex_relational_attention", "flex_value_chunks", "sdpa_relational_attention"]

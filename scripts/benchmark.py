@@ -130,13 +130,13 @@ def relational_backend(model):
 
 
 # ---- the FLOP model --------------------------------------------------------------------------------------------------
-def macs_per_token(config, context, backend="llama"):
+def macs_per_token(config, context, backend="llama", device="cpu"):
     """Multiply-adds of one token's forward, with `context` senders per receiver on average: the LM head, and in
     every layer the projections, MLP, symbol retrieval and attention. Relational attention costs, per (receiver, sender) pair,
     `h d_h` (scores) + `R d_r` (relations, once for all heads) + `h R` (weighted relations) + `h d_h` (symbols) when
-    relations are formed per pair (the compiled kernels, the reference), `h (d_h + d_v)` with `d_v = d_h + R d_r`
-    with fused values (flex_attention), `2 h d_v` with SDPA's zero-padded queries and keys; `backend="llama"` counts
-    Llama's layers."""
+    relations are formed per pair (the compiled kernels, the reference), `h (c d_h + d_v)` with `d_v = d_h + R d_r`
+    with fused values (flex_attention, scores once per value chunk: `c` chunks off CPU, 1 on CPU), `2 h d_v` with
+    SDPA's zero-padded queries and keys; `backend="llama"` counts Llama's layers."""
     d, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads = config.num_sensory_heads + config.num_relational_heads
     d_h = d // heads
@@ -152,7 +152,10 @@ def macs_per_token(config, context, backend="llama"):
     if backend == "sdpa":  # queries and keys zero-padded to the value width
         per_pair += 2 * h_r * (d_h + rel)
     elif backend == "flex_attention":
-        per_pair += h_r * (d_h + d_h + rel)
+        from dat_hf.relational_attention_fused import flex_value_chunks
+
+        chunks = len(flex_value_chunks(d_h + rel, d_h, device.split(":")[0]))
+        per_pair += h_r * (chunks * d_h + d_h + rel)
     else:  # relations formed once per pair (the compiled kernels and the reference)
         per_pair += 2 * h_r * d_h + rel + h_r * config.relations
     return head + layers * (projections + 3 * d * f + symbols + per_pair * context)
@@ -163,7 +166,8 @@ def flop_ratio(args, seq, backend, window=None):
     the window's)."""
     config = dat_config(args, seq)
     context = (seq + 1) / 2 if not window else min(window + 1, (seq + 1) / 2)
-    return macs_per_token(config, context, backend or "sdpa") / macs_per_token(config, (seq + 1) / 2, "llama")
+    return (macs_per_token(config, context, backend or "sdpa", args.device)
+            / macs_per_token(config, (seq + 1) / 2, "llama"))
 
 
 # ---- workers (one measurement per process) -----------------------------------------------------------------------

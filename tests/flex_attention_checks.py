@@ -8,8 +8,9 @@ a CUDA machine `python -m pytest tests/flex_attention_checks.py`:
   padding and a node without neighbours (outputs finite everywhere);
 - greedy generation with a KV cache equals eager generation;
 - DAT-343M's attention shapes (8 sensory + 8 relational heads over 4 kv heads, relational values of width
-  64 + 8 x 64 = 576) compile and run forward and backward in bfloat16 at 2048 tokens, within bfloat16 rounding of
-  float32 eager; the first call's compile time is printed.
+  64 + 8 x 64 = 576, which go to FlexAttention in chunks of 128, 128, 128, 128 and 64 on CUDA) compile and run forward
+  and backward in bfloat16 at 2048 tokens, within bfloat16 rounding of float32 eager; the first call's compile time
+  is printed.
 
 `DAT_HF_FLEX_CHECKS_DEVICE=cpu` runs the file on CPU to check the file itself without a GPU: forwards only (no
 FlexAttention backward there), static shapes, no generation (PyTorch's CPU FlexAttention kernels fail to compile for
@@ -151,8 +152,8 @@ def test_greedy_generation_equals_eager():
 
 def test_343m_shapes_compile_and_run_in_bfloat16():
     """One DAT-343M layer (d 1024, 8 + 8 heads over 4 kv heads, R 8, d_r 64, 1024 symbols) on FlexAttention: the
-    kernels compile for relational values of width 576, forward and backward run in bfloat16 under autocast, and the
-    outputs are within bfloat16 rounding of float32 eager."""
+    kernels compile for relational values of width 576 (in chunks off CPU: `flex_value_chunks`), forward and backward
+    run in bfloat16 under autocast, and the outputs are within bfloat16 rounding of float32 eager."""
     n = 2048 if DEVICE.type == "cuda" else 256
     eager, flex = pair(DATModel, lambda: load_preset_config("dat-343m", num_hidden_layers=1, vocab_size=256,
                                                              max_position_embeddings=n))

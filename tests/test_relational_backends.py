@@ -22,13 +22,16 @@ from relational_cases import (RELATION_SCALING, SCALING, Heads, additive_from_bo
                               make_inputs, random_bool_mask, right_padding)
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers import DynamicCache, StaticCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import dat_hf
 import dat_hf.relational_attention as relational_attention
+import dat_hf.relational_attention_fused as relational_attention_fused
 from dat_hf import (DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForTokenClassification, DATSeq2SeqConfig, DATVisionConfig)
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, eager_relational_attention
+from dat_hf.relational_attention_fused import flex_value_chunks
 
 
 # ---- the reference against the formula ---------------------------------------------------------------------------
@@ -336,6 +339,39 @@ def test_flex_attention_relational_heads_beside_sdpa_sensory_heads():
         model.config.relational_attn_implementation = "flex_attention"
         assert_close(model(x).logits, expected, atol=1e-5)
         assert backends_used(model) == {"flex_attention"}
+
+
+def test_flex_value_chunks():
+    """Off CPU FlexAttention gets the fused values in chunks no wider than 128 (or the query width rounded up to a
+    power of two); the CPU kernel takes them whole."""
+    assert flex_value_chunks(576, 64, "cuda") == [128, 128, 128, 128, 64]  # the 343M config: 64 + 8 x 64
+    assert flex_value_chunks(576, 64, "cpu") == [576]
+    assert flex_value_chunks(100, 64, "cuda") == [100]
+    assert flex_value_chunks(600, 160, "cuda") == [256, 256, 88]
+    assert flex_value_chunks(128, 32, "xpu") == [128]
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa-1-bool", "decoding-step-padding"])
+def test_flex_attention_in_value_chunks_matches_reference(case, monkeypatch):
+    """The chunked calls (off CPU) run here on CPU tensors: values 21 wide (d 6 + 3 x 5) in chunks of at most 8
+    (queries 6 wide, rounded up), each FlexAttention call gets one chunk, and the messages equal the reference."""
+    monkeypatch.setattr(relational_attention_fused, "WHOLE_VALUE_DEVICES", frozenset())
+    monkeypatch.setattr(relational_attention_fused, "FLEX_VALUE_CHUNK", 4)
+    flex, widths = ALL_ATTENTION_FUNCTIONS["flex_attention"], []
+
+    def counted(module, query, key, value, *args, **kwargs):
+        widths.append(value.shape[-1])
+        return flex(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", counted)
+    module64, module, inputs64, inputs, mask, call, _ = run_case("flex_attention", case, torch.float32, grad=False)
+    assert RELATIONAL_ATTENTION_FUNCTIONS["flex_attention"].supports(call) is None
+    expected = eager_relational_attention(module64, *inputs64, mask, SCALING, RELATION_SCALING)[0]
+    with torch.no_grad():
+        got = RELATIONAL_ATTENTION_FUNCTIONS["flex_attention"].function(
+            module, *inputs, mask, scaling=SCALING, relation_scaling=RELATION_SCALING)[0]
+    assert widths == [8, 8, 5]
+    assert_close(got, expected, atol=2e-5, rtol=2e-5, what="flex_attention messages from value chunks")
 
 
 def test_explicit_choice_and_its_errors():
