@@ -199,14 +199,20 @@ class SensoryAttention(nn.Module):
         return self.o_proj(out.reshape(*out.shape[:2], -1))
 
     def _attend(self, attention_interface, query, key, value, mask: AttentionMask, **kwargs):
-        senders = mask.senders_in_view(query.shape[2], key.shape[2])
-        key, value = key[:, :, :senders], value[:, :, :senders]
+        takes_block_mask = mask.block_mask is not None and _takes_block_mask(attention_interface)
+        if not takes_block_mask:  # (a BlockMask is sized for every slot, and skips the empty ones itself)
+            senders = mask.senders_in_view(query.shape[2], key.shape[2])
+            key, value = key[:, :, :senders], value[:, :, :senders]
         if attention_interface is eager_attention_forward:
             attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
-        elif mask.block_mask is not None and _takes_block_mask(attention_interface):
+        elif takes_block_mask:
             attention_mask = mask.block_mask
         else:  # (a BlockMask may be there for FlexAttention relational heads beside these sensory heads)
             attention_mask = mask.mask
+            if _takes_block_mask(attention_interface) and attention_mask is not None and (
+                    attention_mask.dtype == torch.bool):  # (Transformers' FlexAttention adds a tensor to the scores)
+                raise ValueError("FlexAttention heads need their mask as a BlockMask, got a bool tensor: build the "
+                                 "masks with the model's config (`attn_implementation='flex_attention'`).")
         out, weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling,
             dropout=self.attention_dropout if self.training else 0.0, is_causal=mask.is_causal, **kwargs,
@@ -313,10 +319,11 @@ class RelationalAttention(nn.Module):
 
     def _attend(self, backend, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
                 output_attentions=False, relative_position_index=None, query_offset=None):
-        senders = mask.senders_in_view(query.shape[2], key.shape[2])
-        key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
-        if not self.relative_symbols:
-            symbol_values = symbol_values[:, :, :senders]
+        if backend != "flex_attention":  # (a BlockMask is sized for every slot, and skips the empty ones itself)
+            senders = mask.senders_in_view(query.shape[2], key.shape[2])
+            key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
+            if not self.relative_symbols:
+                symbol_values = symbol_values[:, :, :senders]
         messages, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
             self, query, key, symbol_values, relation_queries, relation_keys, mask, scaling=self.scaling,
             relation_scaling=self.relation_scaling, dropout=self.attention_dropout if self.training else 0.0,

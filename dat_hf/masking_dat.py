@@ -424,14 +424,29 @@ def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, enc
     return _with_row_validity(dense, is_causal=False, block_mask=block)
 
 
-def prebuilt_masks(masks: dict, biases, causal=True) -> dict[str, AttentionMask]:
-    """`{bias: dense mask or None}` built ahead (e.g. by `create_masks_for_generate` for a compiled decoding step)
-    -> `{bias: AttentionMask}`."""
+def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, AttentionMask]:
+    """`{bias: dense mask or None}` built ahead (by `create_masks_for_generate` for a compiled decoding step) ->
+    `{bias: AttentionMask}`; with `flex` (FlexAttention heads) a bool mask also becomes a `BlockMask`, here (inside
+    the compiled step: Transformers hands the dict's values over as tensors)."""
     missing = set(biases) - set(masks)
     if missing:
         raise ValueError(f"`attention_mask` as a dict must hold a mask for every relational bias; missing {missing}.")
-    return {bias: _with_row_validity(masks[bias], is_causal=bias in ("causal", "sliding_window") or (
-        causal and bias != "full")) for bias in dict.fromkeys(biases)}
+    built = {}
+    for bias in dict.fromkeys(biases):
+        mask = masks[bias]
+        block = _block_mask_of(mask) if flex and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool else None
+        built[bias] = _with_row_validity(mask, is_causal=bias in ("causal", "sliding_window") or (
+            causal and bias != "full"), block_mask=block)
+    return built
+
+
+def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
+    """What `create_masks_for_generate` hands over for one bias: the dense mask, or, where the causal order is
+    implicit (None) but FlexAttention heads need it, the explicit causal mask over the slots of the `BlockMask`."""
+    if mask.mask is None and mask.block_mask is not None:
+        q_len, kv_len = mask.block_mask.seq_lengths
+        return mask.dense(q_len, kv_len, mask.block_mask.kv_num_blocks.device)
+    return mask.mask
 
 
 def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
@@ -444,5 +459,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=N
     }
 
 
-__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "prebuilt_masks", "build_cross_attention_mask",
-           "build_masks", "check_graph_adjacency"]
+__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "prebuildable", "prebuilt_masks",
+           "build_cross_attention_mask", "build_masks", "check_graph_adjacency"]

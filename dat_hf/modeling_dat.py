@@ -47,7 +47,7 @@ from .input_validation import (
     validate_text_inputs,
     validate_token_classification,
 )
-from .masking_dat import build_masks, prebuilt_masks
+from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 
 
@@ -180,7 +180,7 @@ def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=Non
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
     if isinstance(attention_mask, dict):
-        return layer_biases, prebuilt_masks(attention_mask, biases, causal)
+        return layer_biases, prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
     validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], past_key_values)
     masks = build_masks(biases, config, inputs_embeds, attention_mask, past_key_values, position_ids, graph_adjacency,
                         causal=causal)
@@ -496,11 +496,11 @@ class DATGenerationMixin(GenerationMixin):
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
                                   **kwargs):
         """`{bias: mask}` for every relational bias of the decoder (dense bool `[b, 1, q, max_len]` or None), from the
-        2-D padding mask: what the forward would build, made outside the compiled graph."""
+        2-D padding mask: what the forward would build, made outside the compiled graph (see `prebuildable`)."""
         decoder_config = config.get_text_config(decoder=True)
         biases = {bias for pair in decoder_config.layer_biases() for bias in pair}
         masks = build_masks(biases, decoder_config, inputs_embeds, attention_mask, past_key_values, position_ids)
-        return {bias: mask.mask for bias, mask in masks.items()}
+        return {bias: prebuildable(mask) for bias, mask in masks.items()}
 
 
 @auto_docstring(

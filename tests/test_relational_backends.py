@@ -341,6 +341,35 @@ def test_flex_attention_relational_heads_beside_sdpa_sensory_heads():
         assert backends_used(model) == {"flex_attention"}
 
 
+@pytest.mark.parametrize("bias", ["causal", "sliding_window"])
+def test_flex_attention_over_a_static_cache(bias):
+    """Every head on FlexAttention with a static cache: the prefill (keys sized for every slot, as the BlockMask is)
+    and greedy decoding give the tokens and scores of SDPA without a cache, and so does a step whose masks were built
+    ahead by `create_masks_for_generate` (as compiled decoding gets them: dense masks, made BlockMasks in the
+    forward; a bool tensor given to FlexAttention would be added to the scores)."""
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(relational_bias=bias, sliding_window_size=3)).eval()
+    prompt = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False, output_scores=True,
+                                  return_dict_in_generate=True)
+        full = model(torch.cat([prompt, prompt[:, :1]], 1)).logits[:, -1:]
+        model.set_attn_implementation("flex_attention")
+        model.config.relational_attn_implementation = "flex_attention"  # (decoding steps would pick `cpu`)
+        got = model.generate(prompt, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                             output_scores=True, return_dict_in_generate=True)
+        assert backends_used(model) == {"flex_attention"}
+        assert torch.equal(got.sequences, expected.sequences)
+        assert_close(torch.stack(got.scores), torch.stack(expected.scores), atol=1e-5, what="static cache scores")
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        model(prompt, past_key_values=cache)
+        masks = model.create_masks_for_generate(model.config, torch.empty(2, 1, 0), torch.ones(2, 9, dtype=torch.long),
+                                                cache)
+        step = model(prompt[:, :1], attention_mask=masks, past_key_values=cache, position_ids=torch.full((2, 1), 8))
+        assert backends_used(model) == {"flex_attention"}
+        assert_close(step.logits, full, atol=1e-5, what="a step with masks built ahead")
+
+
 def test_flex_value_chunks():
     """Off CPU FlexAttention gets the fused values in chunks no wider than 128 (or the query width rounded up to a
     power of two); the CPU kernel takes them whole."""
