@@ -171,6 +171,25 @@ def test_compiled_static_decoding_is_one_graph(name, dynamo_counters):
     assert_cuda_graph_safe(graphs)
 
 
+@pytest.mark.parametrize("name", ["default", "gqa-left-padded", "sliding-window"])
+def test_compiled_static_decoding_with_flex_attention_is_one_graph(name, dynamo_counters):
+    """Every head on FlexAttention: `create_masks_for_generate` hands the compiled step dense masks (Transformers
+    passes tensors), which become BlockMasks inside its one graph; the tokens and logits are those of SDPA without a
+    compiled step, and the graph is CUDA-graph safe."""
+    model, prompt, mask = tiny_model_and_prompt(*LM_CASES[name])
+    expected = greedy(model, prompt, mask)
+    model.set_attn_implementation("flex_attention")
+    model.config.relational_attn_implementation = "flex_attention"  # (decoding steps would pick `cpu`)
+    graphs = []
+    got = greedy(model, prompt, mask, cache_implementation="static",
+                 compile_config=compile_config(cuda_graph_check(graphs)))
+    assert_same_generation(got, expected)
+    assert {layer.dual_attn.relational.relational_attention_backend for layer in model.model.layers} == {
+        "flex_attention"}
+    assert dict(dynamo_counters["graph_break"]) == {}
+    assert_cuda_graph_safe(graphs)
+
+
 # sliding-window cache layers: the tiny model's two layers, prompts of 7 tokens, 10 new ones
 SLIDING_CASES = {
     "prompt-fills-window": (dict(relational_bias="sliding_window", sliding_window_size=3), True),  # 4 slots
