@@ -522,6 +522,31 @@ def test_seq2seq_backends_agree():
                                   "decoder_input_ids": torch.randint(2, 40, (2, 7))})
 
 
+def test_seq2seq_flex_attention_over_a_static_cache():
+    """The decoder's heads on FlexAttention (self and dual cross-attention) with a static cache: the scores and tokens
+    of SDPA without a cache, for a padded source (its prefill and its steps with masks built ahead, as the causal LM
+    in `test_flex_attention_over_a_static_cache`)."""
+    torch.manual_seed(3)
+    config = DATSeq2SeqConfig(vocab_size=40, hidden_size=32, encoder_layers=2, num_hidden_layers=2,
+                              num_sensory_heads=2, num_relational_heads=2, cross_attention="dual",
+                              intermediate_size=64, num_symbols=8, symbolic_attention_heads=2,
+                              decoder_start_token_id=1, pad_token_id=0, eos_token_id=None)
+    model = DATForSeq2SeqLM(config).eval()
+    source = torch.randint(2, 40, (2, 11))
+    attention_mask = torch.ones_like(source).index_fill_(1, torch.arange(8, 11), 0)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                  output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = model.generate(source, use_cache=False, **kwargs)
+        model.set_attn_implementation("flex_attention")
+        model.config.relational_attn_implementation = "flex_attention"
+        model.config.get_text_config(decoder=True).relational_attn_implementation = "flex_attention"
+        got = model.generate(source, cache_implementation="static", **kwargs)
+    assert backends_used(model) == {"flex_attention"}
+    assert torch.equal(got.sequences, expected.sequences)
+    assert_close(torch.stack(got.scores), torch.stack(expected.scores), atol=1e-5, what="seq2seq static cache scores")
+
+
 # ---- masks that let receiver blocks skip senders -------------------------------------------------------------------
 def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
     """A sliding window over 1100 tokens runs block by block (each block of 256 receivers against the senders it may
