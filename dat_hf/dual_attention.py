@@ -26,6 +26,7 @@ from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv, select_relational_attention, symbol_rows)
+from .relational_attention_fused import flex_inputs
 
 
 def rotate_half(x):
@@ -207,6 +208,7 @@ class SensoryAttention(nn.Module):
             attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
         elif takes_block_mask:
             attention_mask = mask.block_mask
+            query, key, value = flex_inputs(query, key, value)
         else:  # (a BlockMask may be there for FlexAttention relational heads beside these sensory heads)
             attention_mask = mask.mask
             if _takes_block_mask(attention_interface) and attention_mask is not None and (

@@ -42,6 +42,15 @@ def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> l
     return [min(widest, value_width - start) for start in range(0, value_width, widest)]
 
 
+def flex_inputs(*tensors):
+    """The tensors as FlexAttention gets them: copies inside a compiled CPU graph, where inductor's C++ FlexAttention
+    template reads a view that starts past its buffer's beginning (a head slice of the cache) from the buffer's start,
+    i.e. other heads (PyTorch 2.13; Dynamo cannot tell views by their offset)."""
+    if not torch.compiler.is_compiling():
+        return tensors
+    return tuple(t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t for t in tensors)
+
+
 def _fused_values_attention(interface: str, module, query, key, symbol_values, relation_queries, relation_keys,
                             mask, scaling, relation_scaling, dropout):
     b, h, q_len, d = query.shape
@@ -59,8 +68,11 @@ def _fused_values_attention(interface: str, module, query, key, symbol_values, r
         attention_mask = mask.block_mask
     attend = ALL_ATTENTION_FUNCTIONS[interface]
     widths = [value.shape[-1]] if interface == "sdpa" else flex_value_chunks(value.shape[-1], d, query.device.type)
+    chunks = value.split(widths, dim=-1)
+    if interface == "flex_attention":
+        query, key, *chunks = flex_inputs(query, key, *chunks)
     outs = [attend(module, query, key, chunk, attention_mask, scaling=scaling, dropout=dropout,
-                   is_causal=mask.is_causal)[0] for chunk in value.split(widths, dim=-1)]
+                   is_causal=mask.is_causal)[0] for chunk in chunks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     attended_symbols, attended_keys = out.split([d, num_relations * relation_dim], dim=-1)  # out [b, q, h, d_v]
     attended_keys = attended_keys.reshape(b, q_len, h, num_relations, relation_dim)
@@ -86,4 +98,4 @@ def flex_relational_attention(module, query, key, symbol_values, relation_querie
     return messages, None, None
 
 
-__all__ = ["flex_relational_attention", "flex_value_chunks", "sdpa_relational_attention"]
+__all__ = ["flex_inputs", "flex_relational_attention", "flex_value_chunks", "sdpa_relational_attention"]

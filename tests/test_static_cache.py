@@ -190,6 +190,22 @@ def test_compiled_static_decoding_with_flex_attention_is_one_graph(name, dynamo_
     assert_cuda_graph_safe(graphs)
 
 
+def test_inductor_compiled_flex_attention_decoding_on_cpu(monkeypatch):
+    """The same step compiled by inductor on CPU, where its C++ FlexAttention template reads a view that starts past
+    its buffer's beginning from the buffer's start (the sensory heads' slice of the cache would read the relational
+    heads' keys; `relational_attention_fused.flex_inputs` hands it copies): the logits of SDPA without a compiled step.
+    (Inductor cannot fuse the ops after that template, so this compiles with `epilogue_fusion` off.)"""
+    monkeypatch.setattr(torch._inductor.config, "epilogue_fusion", False)
+    model, prompt, mask = tiny_model_and_prompt(*LM_CASES["gqa-left-padded"])
+    expected = greedy(model, prompt, mask)
+    model.set_attn_implementation("flex_attention")
+    model.config.relational_attn_implementation = "flex_attention"
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    assert_same_generation(greedy(model, prompt, mask, cache_implementation="static", compile_config=config),
+                           expected)
+
+
 # sliding-window cache layers: the tiny model's two layers, prompts of 7 tokens, 10 new ones
 SLIDING_CASES = {
     "prompt-fills-window": (dict(relational_bias="sliding_window", sliding_window_size=3), True),  # 4 slots
