@@ -6,15 +6,16 @@ a CUDA machine `python -m pytest tests/flex_attention_checks.py`:
   FlexAttention) give the `eager` models' outputs and parameter gradients in float32 for every relational bias
   (causal, one- and two-sided sliding windows, sparse blocks with global tokens, a per-instance graph, GQA), with
   padding and a node without neighbours (outputs finite everywhere);
-- greedy generation with a KV cache equals eager generation;
+- greedy generation with a KV cache equals eager generation, and so does compiled decoding over a static cache
+  (one graph, CUDA graphs on CUDA; its BlockMasks made inside the step from the masks built ahead);
 - DAT-343M's attention shapes (8 sensory + 8 relational heads over 4 kv heads, relational values of width
   64 + 8 x 64 = 576, which go to FlexAttention in chunks of 128, 128, 128, 128 and 64 on CUDA) compile and run forward
   and backward in bfloat16 at 2048 tokens, within bfloat16 rounding of float32 eager; the first call's compile time
   is printed.
 
 `DAT_HF_FLEX_CHECKS_DEVICE=cpu` runs the file on CPU to check the file itself without a GPU: forwards only (no
-FlexAttention backward there), static shapes, no generation (PyTorch's CPU FlexAttention kernels fail to compile for
-dynamic shapes and for decoding), the large shapes at 256 tokens.
+FlexAttention backward there), static shapes (PyTorch's CPU FlexAttention kernels fail to compile for dynamic ones),
+generation with a static cache only, the large shapes at 256 tokens.
 """
 
 import os
@@ -148,6 +149,31 @@ def test_greedy_generation_equals_eager():
     tokens = [m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False) for m in models]
     assert torch.equal(tokens[0], tokens[1]), tokens
     assert backends(models[1]) == {"flex_attention"}
+
+
+def test_compiled_static_cache_decoding_equals_eager(monkeypatch):
+    """Every head on FlexAttention, greedy decoding over a static cache compiled as one graph (`CompileConfig`, with
+    CUDA graphs on CUDA; the BlockMasks are made inside the step, the keys are head slices of the cache): the tokens
+    and logits of the eager model without a cache."""
+    from transformers import CompileConfig
+
+    if DEVICE.type == "cpu":  # (inductor's C++ FlexAttention template takes no fused epilogue)
+        monkeypatch.setattr(torch._inductor.config, "epilogue_fusion", False)
+    eager, flex = (model.eval() for model in pair(DATForCausalLM, lambda: DATConfig(
+        **dict(BASE, num_sensory_key_value_heads=1, relational_attn_implementation="flex_attention"))))
+    eager.config.relational_attn_implementation = "eager"
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    expected = eager.generate(ids, use_cache=False, **kwargs)
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    got = flex.generate(ids, cache_implementation="static", compile_config=config, **kwargs)
+    assert backends(flex) == {"flex_attention"}
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=1e-4, rtol=0)
 
 
 def test_343m_shapes_compile_and_run_in_bfloat16():
