@@ -200,21 +200,21 @@ class SensoryAttention(nn.Module):
         return self.o_proj(out.reshape(*out.shape[:2], -1))
 
     def _attend(self, attention_interface, query, key, value, mask: AttentionMask, **kwargs):
-        takes_block_mask = mask.block_mask is not None and _takes_block_mask(attention_interface)
-        if not takes_block_mask:  # (a BlockMask is sized for every slot, and skips the empty ones itself)
+        flex = _takes_block_mask(attention_interface)
+        if not (flex and mask.block_mask is not None):  # (a BlockMask is sized for every slot, skips the empty ones)
             senders = mask.senders_in_view(query.shape[2], key.shape[2])
             key, value = key[:, :, :senders], value[:, :, :senders]
         if attention_interface is eager_attention_forward:
             attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
-        elif takes_block_mask:
-            attention_mask = mask.block_mask
+        elif flex:  # (Transformers' FlexAttention adds a tensor mask to the scores: additive ones only)
+            attention_mask = mask.block_mask if mask.block_mask is not None else mask.mask
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+                raise ValueError("FlexAttention heads need their mask as a BlockMask or an additive float tensor, got "
+                                 "a bool tensor: build the masks with the model's config "
+                                 "(`attn_implementation='flex_attention'`).")
             query, key, value = flex_inputs(query, key, value)
         else:  # (a BlockMask may be there for FlexAttention relational heads beside these sensory heads)
             attention_mask = mask.mask
-            if _takes_block_mask(attention_interface) and attention_mask is not None and (
-                    attention_mask.dtype == torch.bool):  # (Transformers' FlexAttention adds a tensor to the scores)
-                raise ValueError("FlexAttention heads need their mask as a BlockMask, got a bool tensor: build the "
-                                 "masks with the model's config (`attn_implementation='flex_attention'`).")
         out, weights = attention_interface(
             self, query, key, value, attention_mask, scaling=self.scaling,
             dropout=self.attention_dropout if self.training else 0.0, is_causal=mask.is_causal, **kwargs,

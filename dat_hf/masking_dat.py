@@ -314,6 +314,8 @@ def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=No
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
     allowed = mask if mask.dtype == torch.bool else mask == 0
+    if isinstance(block_mask, torch.Tensor):  # a user's 4-D mask, which Transformers hands on for FlexAttention too
+        block_mask = _block_mask_of(allowed)  # (FlexAttention heads read it as attend / not attend)
     row_valid = allowed.any(dim=-1, keepdim=True)
     blocks = _receiver_blocks(allowed, is_causal) if mask.dtype == torch.bool else None
     if not torch.compiler.is_compiling() and bool(row_valid.all()):

@@ -370,6 +370,26 @@ def test_flex_attention_over_a_static_cache(bias):
         assert_close(step.logits, full, atol=1e-5, what="a step with masks built ahead")
 
 
+@pytest.mark.parametrize("dtype", ["bool", "additive"])
+def test_flex_attention_with_a_users_4d_mask(dtype):
+    """A user's 4-D mask (Transformers hands it on as is, also for FlexAttention) reaches FlexAttention heads as a
+    `BlockMask` (a tensor would be added to the scores: a bool one wrongly, an additive one crashed PyTorch's CPU
+    kernel): every head on FlexAttention gives the logits of SDPA, a row with one sender included."""
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config()).eval()
+    x = torch.randint(0, 97, (2, 6))
+    allowed = torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None].repeat(2, 1, 1, 1)
+    allowed[1, 0, 2:, 0] = False
+    mask = allowed if dtype == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo().min)
+    with torch.no_grad():
+        expected = model(x, attention_mask=mask).logits
+        model.set_attn_implementation("flex_attention")
+        model.config.relational_attn_implementation = "flex_attention"
+        got = model(x, attention_mask=mask).logits
+    assert backends_used(model) == {"flex_attention"}
+    assert_close(got, expected, atol=1e-5, what=f"flex_attention with a {dtype} 4-D mask")
+
+
 def test_flex_value_chunks():
     """Off CPU FlexAttention gets the fused values in chunks no wider than 128 (or the query width rounded up to a
     power of two); the CPU kernel takes them whole."""
