@@ -314,8 +314,10 @@ def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=No
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    if isinstance(block_mask, torch.Tensor):  # a user's 4-D mask, which Transformers hands on for FlexAttention too
-        block_mask = _block_mask_of(allowed)  # (FlexAttention heads read it as attend / not attend)
+    # a tensor for the BlockMask (a user's 4-D mask, which Transformers hands on for FlexAttention too; a mask built
+    # ahead or rotated to a ring's slots): FlexAttention heads get the BlockMask of `mask`, read as attend / not attend
+    if isinstance(block_mask, torch.Tensor):
+        block_mask = _block_mask_of(allowed)
     row_valid = allowed.any(dim=-1, keepdim=True)
     blocks = _receiver_blocks(allowed, is_causal) if mask.dtype == torch.bool else None
     if not torch.compiler.is_compiling() and bool(row_valid.all()):
@@ -396,7 +398,7 @@ def build_attention_mask(
         dense, block = _both_formats(create, config, window, **inputs)
         ring = ring_layer(past_key_values)  # (a one-token step over a ring cache: its keys in slot order)
         if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
-            dense, block = in_slots, None if block is None else _block_mask_of(in_slots)
+            dense, block = in_slots, None if block is None else in_slots
         return _with_row_validity(dense, is_causal=not two_sided, block_mask=block)
     and_fn = None
     if bias == "sparse":
@@ -428,18 +430,13 @@ def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, enc
 
 def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, AttentionMask]:
     """`{bias: dense mask or None}` built ahead (by `create_masks_for_generate` for a compiled decoding step) ->
-    `{bias: AttentionMask}`; with `flex` (FlexAttention heads) a bool mask also becomes a `BlockMask`, here (inside
+    `{bias: AttentionMask}`; with `flex` (FlexAttention heads) each mask also becomes a `BlockMask`, here (inside
     the compiled step: Transformers hands the dict's values over as tensors)."""
     missing = set(biases) - set(masks)
     if missing:
         raise ValueError(f"`attention_mask` as a dict must hold a mask for every relational bias; missing {missing}.")
-    built = {}
-    for bias in dict.fromkeys(biases):
-        mask = masks[bias]
-        block = _block_mask_of(mask) if flex and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool else None
-        built[bias] = _with_row_validity(mask, is_causal=bias in ("causal", "sliding_window") or (
-            causal and bias != "full"), block_mask=block)
-    return built
+    return {bias: _with_row_validity(masks[bias], is_causal=bias in ("causal", "sliding_window") or (
+        causal and bias != "full"), block_mask=masks[bias] if flex else None) for bias in dict.fromkeys(biases)}
 
 
 def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
