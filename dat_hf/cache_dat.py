@@ -132,8 +132,9 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
             return self.keys, self.values
         if torch.compiler.is_compiling():
             raise ValueError(
-                f"A compiled step may add one token at a time to a sliding-window static cache (got {new}); run the "
-                "prefill eagerly (as `generate` does)."
+                f"A compiled step may add one token at a time to a sliding-window static cache (got {new}); run longer "
+                "steps eagerly (`generate` with a compile config compiles the chunks of `prefill_chunk_size`: leave it "
+                "unset)."
             )
         seen = int(self.cumulative_length)
         if seen + new <= size:  # the window is not full yet: slots are positions
@@ -238,8 +239,10 @@ def check_cache(cache: Cache) -> None:
         for layer in part.layers:
             if isinstance(layer, StaticLayer) and not isinstance(layer, DATStaticLayer):
                 raise ValueError(
-                    f"This cache's {type(layer).__name__}s were filled by another model: DAT caches need their own "
-                    "layers (keys and values with different head counts); pass a fresh cache."
+                    f"This cache's {type(layer).__name__}s were filled by another model, or initialized ahead with one "
+                    "shape for keys and values (`early_initialization`, as Transformers' ExecuTorch export wrapper "
+                    "does): DAT caches need their own layers (keys and values with different head counts, sized at "
+                    "their first update); pass a fresh cache."
                 )
 
 

@@ -463,9 +463,10 @@ class DATModel(DATPreTrainedModel):
 
         layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, past_key_values,
                                                 mask_positions, graph_adjacency, causal=self.is_causal)
+        # (`num_hidden_layers` may be lowered for a forward: self-speculative decoding exits early)
         hidden_states = run_dat_layers(
-            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
-            position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
+            self.layers[: self.config.num_hidden_layers], self.symbol_retrievers, hidden_states, position_ids,
+            layer_biases, masks, position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
@@ -492,6 +493,11 @@ class DATGenerationMixin(GenerationMixin):
         cache = model_kwargs.get("past_key_values")
         if cache is not None and not getattr(cache, "_is_user_defined", False):
             prepare_cache(cache, max_cache_length)
+
+    def _get_static_cache_init_shape(self):
+        """None: a `StaticCache` is not initialized ahead (Transformers does so for chunked prefills, with one shape
+        for keys and values); DAT's layers initialize at their first update, keys and values with their own heads."""
+        return None
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
                                   **kwargs):

@@ -577,7 +577,8 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
             # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
             symbols = retrievers(0, hidden_states, position_ids) if self.config.num_relational_heads > 0 else None
-        for i, layer in enumerate(self.layers):
+        # (`num_hidden_layers` may be lowered for a forward: self-speculative decoding exits early)
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_symbols = symbols
             # CODEPATH: as above (decoder relational heads: the paper's 4 + 4 math DAT).
             if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:

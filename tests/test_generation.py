@@ -157,6 +157,29 @@ def test_left_padded_batch_matches_single_prompts(request, name, gen_model, mode
 
 
 @torch.no_grad()
+@torch.no_grad()
+def test_self_speculative_decoding():
+    """`assistant_early_exit=1`: Transformers drafts tokens with the model's first layer (it lowers
+    `config.num_hidden_layers` for the draft's forwards) and checks them with every layer: the greedy tokens of plain
+    decoding. A forward with `num_hidden_layers` lowered is the forward of the model cut to that depth."""
+    model = make_model(initializer_range=GEN_INIT, num_hidden_layers=3)
+    prompt = random_ids(1, 6)
+    expected = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, assistant_early_exit=1)
+    assert torch.equal(got, expected)
+    assert model.config.num_hidden_layers == 3
+
+    cut = make_model(initializer_range=GEN_INIT, num_hidden_layers=1)
+    assert not cut.load_state_dict(model.state_dict(), strict=False).missing_keys  # (layer 0, embeddings, head)
+    model.config.num_hidden_layers = 1
+    try:
+        early = model(prompt).logits
+    finally:
+        model.config.num_hidden_layers = 3
+    torch.testing.assert_close(early, cut(prompt).logits, atol=ATOL, rtol=0)
+    assert not torch.allclose(early, model(prompt).logits, atol=1e-3)
+
+
 def test_beam_search_and_sampling(gen_model):
     model = gen_model
     ids = random_ids(2, 4)

@@ -173,6 +173,22 @@ def test_cached_generation_matches_uncached(name):
                                                use_cache=False))
 
 
+@pytest.mark.parametrize("name", ["default", "dual-cross"])
+def test_speculative_decoding(name):
+    """Drafts from a smaller model (`assistant_model`), from the decoder's first layer (`assistant_early_exit`:
+    Transformers lowers `num_hidden_layers` for the draft's forwards) or from the source (`prompt_lookup_num_tokens`),
+    each checked by the whole model: the greedy tokens of plain decoding."""
+    model = model_for(name)
+    torch.manual_seed(1)
+    draft = DATForSeq2SeqLM(seq2seq_config(decoder_layers=1, **CONFIGS[name])).eval()
+    x, mask = padded_batch(model.config.source_vocab_size, lengths=(9,))
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    expected = model.generate(x, **kwargs)
+    for drafts in (dict(assistant_model=draft), dict(assistant_early_exit=1), dict(prompt_lookup_num_tokens=2)):
+        assert torch.equal(model.generate(x, **drafts, **kwargs), expected), drafts
+        assert model.config.num_hidden_layers == 2
+
+
 @pytest.mark.parametrize("name", ["default", "dual-cross", "relative-relu-postnorm"])
 def test_incremental_decoding_matches_full_forward(name):
     """Step-by-step logits with an EncoderDecoderCache equal the full forward; the cross-attention keys are computed

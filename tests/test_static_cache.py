@@ -284,6 +284,28 @@ def test_chunks_into_a_sliding_window_static_cache(symbols):
     torch.testing.assert_close(again, expected[:, :9], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["gqa-left-padded", "sliding-window", "position-relative-symbols"])
+def test_chunked_prefill_gives_the_generation_of_one_prefill(name, cache):
+    """`prefill_chunk_size=3`: the prompt goes in chunks (Transformers 5.23 initializes a static cache for them ahead,
+    with one shape for keys and values, which DAT declines: its layers size themselves at the first update); the
+    tokens and logits of a prefill in one piece."""
+    model, prompt, mask = tiny_model_and_prompt(*{**LM_CASES, **SLIDING_CASES}[name])
+    expected = greedy(model, prompt, mask)
+    assert_same_generation(greedy(model, prompt, mask, cache_implementation=cache, prefill_chunk_size=3), expected)
+
+
+def test_compiled_chunked_prefill(dynamo_counters):
+    """With a compile config, Transformers 5.23 compiles the chunks of a chunked prefill as well as the decoding
+    steps: the tokens and logits of eager generation."""
+    model, prompt, mask = tiny_model_and_prompt(*LM_CASES["gqa-left-padded"])
+    expected = greedy(model, prompt, mask)
+    got = greedy(model, prompt, mask, cache_implementation="static", prefill_chunk_size=3,
+                 compile_config=compile_config("eager"))
+    assert_same_generation(got, expected)
+    assert dict(dynamo_counters["graph_break"]) == {}
+
+
 @pytest.mark.parametrize("window", list(SEQ2SEQ_WINDOWS))
 def test_compiled_seq2seq_static_decoding_is_one_graph(window, dynamo_counters):
     model = seq2seq_model(window)
@@ -335,6 +357,11 @@ def test_a_compiled_forward_over_a_sliding_window_static_cache(dynamo_counters):
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
         with pytest.raises(Exception, match="built outside the compiled step"):
             step(token, past_key_values=cache, position_ids=torch.full((2, 1), 8))
+        # several tokens in one compiled step (a compiled chunk of a chunked prefill): refused, saying what to do
+        chunk, padding = prompt[:, :2], torch.ones(2, 10, dtype=torch.long)
+        masks = model.create_masks_for_generate(model.config, torch.empty(2, 2, 0), padding, cache)
+        with pytest.raises(Exception, match="prefill_chunk_size"):
+            step(chunk, attention_mask=masks, past_key_values=cache, position_ids=torch.tensor([[8, 9]] * 2))
 
 
 def test_a_ring_steps_block_mask_is_its_dense_mask():
