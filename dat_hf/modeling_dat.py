@@ -499,6 +499,16 @@ class DATGenerationMixin(GenerationMixin):
         for keys and values); DAT's layers initialize at their first update, keys and values with their own heads."""
         return None
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused (it would fail request by request, returning no tokens): continuous batching (`generate_batch`,
+        `init_continuous_batching`) runs every head through Transformers' paged attention over a paged cache of one
+        key/value layout."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support continuous batching (`generate_batch`, "
+            "`init_continuous_batching`): Transformers' paged attention and paged cache serve self-attention heads, "
+            "and DAT's relational heads need their own cache layout. Pad the prompts into a batch and call `generate`."
+        )
+
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
                                   **kwargs):
         """`{bias: mask}` for every relational bias of the decoder (dense bool `[b, 1, q, max_len]` or None), from the
