@@ -173,6 +173,28 @@ def test_op_matches_reference(case):
     assert_matches(*run_op(spec, causal=causal, mask=make_mask() if make_mask else None), atol=2e-5, rtol=2e-5)
 
 
+SPLIT_CASES = {  # (spec, causal, mask builder, window): the senders in splits of 64 (`SPLIT_SENDERS` lowered)
+    "decoding-gqa": (dict(b=2, h=4, h_kv=2, q_len=1, kv_len=200), True, None, None),
+    "decoding-padded-a-row-without-senders": (dict(b=3, q_len=1, kv_len=150), False,
+                                              lambda: right_padding(3, 150, [150, 40, 0]), None),
+    "decoding-window-leaves-splits-empty": (dict(b=1, q_len=1, kv_len=200), True, None, 40),
+    "receivers-after-a-cache": (dict(b=1, q_len=20, kv_len=200, d=8, R=2, d_r=4), True, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_sender_splits_match_reference(case, monkeypatch):
+    """Too few blocks of receivers to fill the GPU (a decoding step): the senders go to several programs, whose
+    outputs are joined by their log-sum-exps (`_combine_splits`), also where a split holds no sender of a receiver
+    or a receiver has none at all; values and gradients (the backward reads the joined log-sum-exp) as the reference."""
+    spec, causal, make_mask, window = SPLIT_CASES[case]
+    monkeypatch.setattr(kernel, "SPLIT_SENDERS", 64)
+    splits, size = kernel._sender_splits(spec["q_len"], spec["kv_len"], spec["b"], torch.device(DEVICE))
+    assert splits > 1 and size == 64 * (size // 64), (splits, size)
+    got = run_op(spec, causal=causal, mask=make_mask() if make_mask else None, window=window)
+    assert_matches(*got, atol=2e-5, rtol=2e-5)
+
+
 def left_padding(b, kv_len, lengths):
     """bool `[b, 1, 1, kv]`: row i's first kv - lengths[i] senders are padding."""
     return right_padding(b, kv_len, lengths).flip(-1)

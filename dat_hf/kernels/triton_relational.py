@@ -8,7 +8,7 @@ For batch row b, receiver i, query head h (kv head g = h // (h / h_kv)) and rela
 (the backend adds `relations W_r^T` in PyTorch). The relations are formed per (receiver, sender) tile, shared by the
 heads of the program, and never stored.
 
-Grid of every kernel: (blocks of the program's own receivers or senders, batch rows x head chunks). A program owns
+Grid of every kernel: (blocks of the program's own receivers or senders, batch rows x head chunks[, sender splits]). A program owns
 HEADS query heads of one batch row (h rounded up to a power of two, at most `HEADS_PER_PROGRAM` = 8; more heads take
 several chunks, each forming the relations again) and holds per-head tiles `[HEADS, BLOCK_M, ...]`; scores are batched
 products `[HEADS, BLOCK_M, d_h] x [HEADS, d_h, BLOCK_N]` whose key and value tiles are read per kv head (GQA: nothing
@@ -22,7 +22,9 @@ is repeated in memory).
   bounds (a block that the bool mask leaves empty is skipped once its mask tile is read) with an online softmax per
   head: the scores, then for each relation l the tile r_l = q_rel_l k_rel_l^T, ONCE for all the program's heads, and
   its sums sum_j p_hij r_l(i, j) for every head, then P V. Writes symbols, relations and the log-sum-exp `[b, h, q]`
-  (base 2).
+  (base 2). Where the blocks of receivers are too few to fill the GPU (a decoding step: one per batch row and head
+  chunk), the senders are split among programs as well (flash-decoding, grid axis 2: `_sender_splits`), each writing
+  its float32 outputs and log-sum-exp, which `_combine_splits` joins.
 - backward: two kernels that recompute the tiles from the log-sum-exp (no atomics: deterministic), with
       dP = dSymbols V^T + sum_l dRelations_l r_l     D = <dSymbols, symbols> + <dRelations, relations>
       dS = P (dP - D)                                dr_l = sum_h P_h dRelations_h,l
@@ -49,6 +51,8 @@ operands of `tl.dot` are widened to float32 first (the interpreter multiplies th
 float32 sum, as on the GPU.
 """
 
+import functools
+import math
 import os
 
 import torch
@@ -64,6 +68,7 @@ INTERPRETED = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
                else os.environ.get("TRITON_INTERPRET", "0") == "1")
 HEADS_PER_PROGRAM = 8
 LOG2E = 1.4426950408889634
+LN2 = math.log(2.0)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TUNING_KEY = ["HEADS", "GROUPS", "HEAD_DIM", "NUM_RELATIONS", "RELATION_DIM", "CAUSAL", "WINDOWED", "HAS_MASK"]
 
@@ -229,14 +234,21 @@ def _receiver_tiles(Q, D_SYMBOLS, LSE, DELTA, b, heads, sq_b, sq_h, sq_m, offs_m
 def _forward_kernel(Q, K, V, QR, KR, MASK, SYMBOLS, RELATIONS, LSE,
                     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n, skr_l,
                     sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, relation_scaling,
+                    split_size,
                     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_RELATIONS: tl.constexpr,
                     RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, DR_PAD: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
                     WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Symbols `[b, q, h, d_h]`, relations `[b, q, h, R]` and the log-sum-exp `[b, h, q]` of one block of receivers,
-    walking the senders it sees."""
+    walking the senders it sees among split `program_id(2)`'s (senders [split * split_size, + split_size): a
+    multiple of every BLOCK_N), into that split's slice of the outputs `[splits, ...]`."""
     # (slot is unused here; named, since `_` is rebound to tensors in the loop and Triton fixes loop-carried types)
     b, slot, heads, head_ok = _program_heads(num_heads, HEADS)
+    split = tl.program_id(2).to(tl.int64)
+    batch = tl.num_programs(1) // tl.cdiv(num_heads, HEADS)
+    SYMBOLS += split * batch * q_len * num_heads * HEAD_DIM
+    RELATIONS += split * batch * q_len * num_heads * NUM_RELATIONS
+    LSE += split * batch * num_heads * q_len
     q0 = tl.program_id(0) * BLOCK_M
     offs_m = q0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
@@ -248,6 +260,8 @@ def _forward_kernel(Q, K, V, QR, KR, MASK, SYMBOLS, RELATIONS, LSE,
     acc_symbols = tl.zeros([HEADS, BLOCK_M, D_PAD], tl.float32)
     acc_relations = tl.zeros([HEADS, BLOCK_M, R_PAD], tl.float32)
     start, end = _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    start = tl.maximum(start, split * split_size)
+    end = tl.minimum(end, (split + 1) * split_size)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
@@ -469,8 +483,40 @@ def _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided):
     return triton.cdiv(h, heads), shared, constants
 
 
-def _receiver_grid(q_len, rows):
-    return lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), rows)
+def _receiver_grid(q_len, rows, splits=1):
+    return lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), rows, splits)
+
+
+# senders of a split: at least this many, a multiple of every BLOCK_N
+SPLIT_SENDERS = 256
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the interpreter's CPU tensors)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _sender_splits(q_len: int, kv_len: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """(splits, senders per split) of a forward: the senders go to several programs (flash-decoding), whose outputs
+    `_combine_splits` joins, where the blocks of receivers alone would leave most of the GPU idle: a decoding step
+    (one block per batch row and head chunk) over a long cache. At least `SPLIT_SENDERS` senders per split."""
+    programs = triton.cdiv(q_len, 16) * rows  # (BLOCK_M is at least 16)
+    splits = max(1, min(triton.cdiv(kv_len, SPLIT_SENDERS), triton.cdiv(2 * _processors(device), programs)))
+    size = triton.cdiv(triton.cdiv(kv_len, splits), SPLIT_SENDERS) * SPLIT_SENDERS
+    return triton.cdiv(kv_len, size), size
+
+
+def _combine_splits(symbols, relations, lse, dtype):
+    """Outputs of the splits, each over its own senders (symbols `[S, b, q, h, d_h]`, relations `[S, b, q, h, R]`,
+    float32; log-sum-exp `[S, b, h, q]`, base 2, +inf for a receiver with no sender in the split) -> the outputs over
+    every sender: split s weighs exp2(lse_s - lse), lse = log2 sum_s exp2(lse_s)."""
+    seen = torch.isfinite(lse)
+    lse = torch.where(seen, lse, float("-inf"))
+    total = torch.logsumexp(lse * LN2, dim=0) / LN2
+    weights = torch.exp2(lse - total).nan_to_num(0.0).transpose(2, 3)[..., None]  # (no sender at all: 0)
+    return ((symbols * weights).sum(0).to(dtype), (relations * weights).sum(0).to(dtype),
+            torch.where(seen.any(0), total, float("inf")))
 
 
 @torch.library.custom_op("dat_hf::triton_relational_forward", mutates_args=())
@@ -478,14 +524,18 @@ def _forward_op(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, q_
                 k_rel: torch.Tensor, mask: torch.Tensor | None, causal: bool, window: int, two_sided: bool,
                 scaling: float, relation_scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, q_len, d = query.shape
-    symbols = query.new_empty(b, q_len, h, d)
-    relations = query.new_empty(b, q_len, h, q_rel.shape[2])
-    lse = torch.empty(b, h, q_len, device=query.device, dtype=torch.float32)
     chunks, shared, constants = _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided)
-    _forward_kernel[_receiver_grid(q_len, b * chunks)](
+    splits, split_size = _sender_splits(q_len, key.shape[2], b * chunks, query.device)
+    dtype = query.dtype if splits == 1 else torch.float32  # (the splits' outputs, combined in float32)
+    symbols = query.new_empty(splits, b, q_len, h, d, dtype=dtype)
+    relations = query.new_empty(splits, b, q_len, h, q_rel.shape[2], dtype=dtype)
+    lse = torch.empty(splits, b, h, q_len, device=query.device, dtype=torch.float32)
+    _forward_kernel[_receiver_grid(q_len, b * chunks, splits)](
         query, key, values, q_rel, k_rel, query if mask is None else mask, symbols, relations, lse, *shared,
-        scaling * LOG2E, relation_scaling, **constants)
-    return symbols, relations, lse
+        scaling * LOG2E, relation_scaling, split_size, **constants)
+    if splits == 1:
+        return symbols[0], relations[0], lse[0]
+    return _combine_splits(symbols, relations, lse, query.dtype)
 
 
 @_forward_op.register_fake
