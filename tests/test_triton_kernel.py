@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,7 +156,8 @@ def test_kernels_compile_for_hopper_at_the_343m_shapes(triton_kernel, monkeypatc
     arguments a bfloat16 training step of DAT-343M's relational heads launches them with (8 heads over 4 kv heads,
     d_h 64, R 8, d_r 64), causal and as a padded sliding window, and every kernel has an autotuning config that fits
     in an H100/H200 block's shared memory (the smallest and the largest config are compiled; shared memory grows with
-    the tile sizes); float32 (IEEE dots) and float16 compile too. Run on this CPU machine: a kernel that only the
+    the tile sizes); float32 (IEEE dots) and float16 compile too, and so do a decoding step's forward over a long cache
+    (its senders in splits) and the kernel that joins the splits. Run on this CPU machine: a kernel that only the
     interpreter has run (it never compiles) fails here, not on the first GPU."""
     if triton_kernel.INTERPRETED:
         pytest.skip("this process runs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -194,3 +196,18 @@ def test_kernels_compile_for_hopper_at_the_343m_shapes(triton_kernel, monkeypatc
             compiled = _compile_for_hopper(launches.kernel, arguments, smallest)
             assert compiled.asm["cubin"], (name, arguments["PRECISION"])
         print(f"{name}: shared memory {shared} bytes")
+
+    # a decoding step over a 4096-token cache: the senders in splits, then the kernel that joins them
+    import triton
+
+    combine = _Launches(SimpleNamespace(fn=triton_kernel._combine_kernel, configs=[triton.Config({}, num_warps=4)]))
+    monkeypatch.setattr(triton_kernel, "_combine_kernel", combine)
+    q, k, v = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16), *torch.randn(2, 1, 4, 4096, 64, dtype=torch.bfloat16)
+    q_rel, k_rel = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16), torch.randn(1, 4096, 8, 64, dtype=torch.bfloat16)
+    triton_kernel._forward_op(q, k, v, q_rel, k_rel, mask=None, causal=True, window=0, two_sided=False, scaling=0.125,
+                              relation_scaling=0.125)
+    step, joined = kernels["_forward_kernel"].launches[-1], combine.launches[-1]
+    assert joined["splits"] > 1 and step["split_size"] * joined["splits"] >= 4096
+    assert _compile_for_hopper(kernels["_forward_kernel"].kernel, step, kernels["_forward_kernel"].kernel.configs[0]
+                               ).asm["cubin"]
+    assert _compile_for_hopper(combine.kernel, joined, combine.kernel.configs[0]).asm["cubin"]

@@ -52,7 +52,6 @@ float32 sum, as on the GPU.
 """
 
 import functools
-import math
 import os
 
 import torch
@@ -68,7 +67,6 @@ INTERPRETED = (bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs")
                else os.environ.get("TRITON_INTERPRET", "0") == "1")
 HEADS_PER_PROGRAM = 8
 LOG2E = 1.4426950408889634
-LN2 = math.log(2.0)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TUNING_KEY = ["HEADS", "GROUPS", "HEAD_DIM", "NUM_RELATIONS", "RELATION_DIM", "CAUSAL", "WINDOWED", "HAS_MASK"]
 
@@ -507,16 +505,52 @@ def _sender_splits(q_len: int, kv_len: int, rows: int, device: torch.device) -> 
     return triton.cdiv(kv_len, size), size
 
 
+@triton.jit
+def _combine_kernel(SYMBOLS, RELATIONS, LSE, OUT_SYMBOLS, OUT_RELATIONS, OUT_LSE, splits, num_heads, q_len,
+                    HEAD_DIM: tl.constexpr, NUM_RELATIONS: tl.constexpr, S_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                    R_PAD: tl.constexpr):
+    """One (b, i, h) of the outputs from the splits' (program = its index in `[b, q, h]` order): split s weighs
+    exp2(lse_s - lse), lse = log2 sum_s exp2(lse_s); a split without senders (lse +inf) weighs 0."""
+    row = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0)
+    h = row % num_heads
+    b = row // num_heads // q_len
+    i = row // num_heads % q_len
+    s = tl.arange(0, S_PAD)
+    lse = tl.load(LSE + s * rows + (b * num_heads + h) * q_len + i, mask=s < splits, other=float("inf"))
+    lse = tl.where(lse < float("inf"), lse, float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # (no sender in any split: every weight 0)
+    weights = tl.exp2(lse - top)
+    total = tl.sum(weights, axis=0)
+    weights = weights * tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    offs_d = tl.arange(0, D_PAD)
+    symbols = tl.load(SYMBOLS + s[:, None] * rows * HEAD_DIM + row * HEAD_DIM + offs_d[None, :],
+                      mask=(s < splits)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    tl.store(OUT_SYMBOLS + row * HEAD_DIM + offs_d, tl.sum(symbols * weights[:, None], axis=0).to(
+        OUT_SYMBOLS.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    offs_r = tl.arange(0, R_PAD)
+    relations = tl.load(RELATIONS + s[:, None] * rows * NUM_RELATIONS + row * NUM_RELATIONS + offs_r[None, :],
+                        mask=(s < splits)[:, None] & (offs_r < NUM_RELATIONS)[None, :], other=0.0)
+    tl.store(OUT_RELATIONS + row * NUM_RELATIONS + offs_r, tl.sum(relations * weights[:, None], axis=0).to(
+        OUT_RELATIONS.dtype.element_ty), mask=offs_r < NUM_RELATIONS)
+    lse = tl.where(total > 0, top + tl.log2(tl.where(total > 0, total, 1.0)), float("inf"))
+    tl.store(OUT_LSE + (b * num_heads + h) * q_len + i, lse)
+
+
 def _combine_splits(symbols, relations, lse, dtype):
     """Outputs of the splits, each over its own senders (symbols `[S, b, q, h, d_h]`, relations `[S, b, q, h, R]`,
     float32; log-sum-exp `[S, b, h, q]`, base 2, +inf for a receiver with no sender in the split) -> the outputs over
-    every sender: split s weighs exp2(lse_s - lse), lse = log2 sum_s exp2(lse_s)."""
-    seen = torch.isfinite(lse)
-    lse = torch.where(seen, lse, float("-inf"))
-    total = torch.logsumexp(lse * LN2, dim=0) / LN2
-    weights = torch.exp2(lse - total).nan_to_num(0.0).transpose(2, 3)[..., None]  # (no sender at all: 0)
-    return ((symbols * weights).sum(0).to(dtype), (relations * weights).sum(0).to(dtype),
-            torch.where(seen.any(0), total, float("inf")))
+    every sender, in `dtype`, and their log-sum-exp (one launch)."""
+    splits, b, q_len, h, d = symbols.shape
+    R = relations.shape[-1]
+    out_symbols, out_relations = symbols.new_empty(b, q_len, h, d, dtype=dtype), relations.new_empty(
+        b, q_len, h, R, dtype=dtype)
+    out_lse = torch.empty(b, h, q_len, device=lse.device, dtype=torch.float32)
+    _combine_kernel[(b * q_len * h,)](symbols, relations, lse, out_symbols, out_relations, out_lse, splits, h, q_len,
+                                      HEAD_DIM=d, NUM_RELATIONS=R, S_PAD=triton.next_power_of_2(splits),
+                                      D_PAD=triton.next_power_of_2(d), R_PAD=triton.next_power_of_2(R))
+    return out_symbols, out_relations, out_lse
 
 
 @torch.library.custom_op("dat_hf::triton_relational_forward", mutates_args=())
