@@ -8,11 +8,11 @@ For batch row b, receiver i, query head h (kv head g = h // (h / h_kv)) and rela
 (the backend adds `relations W_r^T` in PyTorch). The relations are formed per (receiver, sender) tile, shared by the
 heads of the program, and never stored.
 
-Grid of every kernel: (blocks of the program's own receivers or senders, batch rows x head chunks[, sender splits]). A program owns
-HEADS query heads of one batch row (h rounded up to a power of two, at most `HEADS_PER_PROGRAM` = 8; more heads take
-several chunks, each forming the relations again) and holds per-head tiles `[HEADS, BLOCK_M, ...]`; scores are batched
-products `[HEADS, BLOCK_M, d_h] x [HEADS, d_h, BLOCK_N]` whose key and value tiles are read per kv head (GQA: nothing
-is repeated in memory).
+Grid of every kernel: (blocks of the program's own receivers or senders, batch rows x head chunks[, sender
+splits]). A program owns HEADS query heads of one batch row (h rounded up to a power of two, at most
+`HEADS_PER_PROGRAM` = 8; more heads take several chunks, each forming the relations again) and holds per-head tiles
+`[HEADS, BLOCK_M, ...]`; scores are batched products `[HEADS, BLOCK_M, d_h] x [HEADS, d_h, BLOCK_N]` whose key and
+value tiles are read per kv head (GQA: nothing is repeated in memory).
 - masks: causal order (receiver i at position p = kv - q + i sees senders j <= p), a sliding window as Transformers'
   mask functions (`p - window < j <= p`, or two-sided `|p - j| <= window`) and a bool mask `[b|1, 1, q|1, kv]`
   (padding, other graphs), all three combinable. Causal order and window come from index arithmetic: they bound the
