@@ -426,17 +426,25 @@ def test_long_sliding_window_is_one_call_per_layer(monkeypatch, family):
     assert windows == [(*expected, (3, 1, 1, 40))] * model.config.num_hidden_layers
 
 
-def test_greedy_generation_equals_eager():
+@pytest.mark.parametrize("prompt_length", [7, 70])
+def test_greedy_generation_equals_eager(prompt_length, monkeypatch):
+    """Greedy tokens and scores of the triton backend = eager; after 70 tokens the decoding steps split their senders
+    (`SPLIT_SENDERS` lowered to 64)."""
+    monkeypatch.setattr(kernel, "SPLIT_SENDERS", 64)
     torch.manual_seed(1)
-    model = DATForCausalLM(tiny_config(num_relational_key_value_heads=1)).to(DEVICE).eval()
-    prompt = torch.randint(0, model.config.vocab_size, (2, 7), device=DEVICE)
+    model = DATForCausalLM(tiny_config(num_relational_key_value_heads=1, max_position_embeddings=96)).to(DEVICE).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, prompt_length), device=DEVICE)
+    assert (kernel._sender_splits(1, prompt_length + 1, 2, prompt.device)[0] > 1) == (prompt_length > 64)
     generated = {}
     for backend in ("eager", "triton"):
         model.config.relational_attn_implementation = backend
         with count_backend_calls(backend) as calls:
-            generated[backend] = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            generated[backend] = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                                output_scores=True, return_dict_in_generate=True)
         assert calls[0] == 6 * model.config.num_hidden_layers, backend  # prefill + 5 decoding steps
-    assert torch.equal(generated["triton"], generated["eager"])
+    assert torch.equal(generated["triton"].sequences, generated["eager"].sequences)
+    assert_close(torch.stack(generated["triton"].scores).cpu(), torch.stack(generated["eager"].scores).cpu(),
+                 atol=1e-4, rtol=0, what="scores")
 
 
 def test_autocast_runs_the_kernel_in_bfloat16():
