@@ -20,6 +20,9 @@
 #            and decoding after a 1k prompt; needs its wheels in .whl/ if the machine lacks the package:
 #            `pip download --no-deps -d .whl dual_attention==0.0.7 einops` (carried as an ignored path)
 #
+# All stages take about 40 minutes of a GPU; with less (a session's 30 minutes, 10 per command), run them in this
+# order, one command per group: `env kernel fsdp`, `train`, `decode`, `sdpa flex`, `decode_window flex_train reference`.
+#
 # SDPA's math fallback is forbidden in every benchmark run on CUDA (`--sdpa-math forbid`, the default there): a call
 # that needs it fails the run and the table says so. Wheels in .whl/ (packages the machine lacks or has too old) are
 # installed first into /tmp/site.
