@@ -9,6 +9,8 @@
 #   sdpa     343M shapes, bf16, train step at 4096 with the relational heads on SDPA (fused values of width
 #            head_dim + R * d_r): does SDPA keep a fused kernel at that width (the run fails if it needs the math one)
 #   train    343M shapes, bf16, train step and peak memory vs Llama at 1024, 2048, 4096 and 8192 tokens
+#   decode_op  one decoding step of DAT-343M's relational heads over 8,192 slots (bf16): the Triton kernel with its
+#            senders split among programs and with one program per row, beside SDPA over 16 heads, with bandwidths
 #   decode   343M, bf16, ms/token after 1k and 8k prompts (dynamic cache), then compiled static-cache decoding
 #            (one graph for every step, held by CUDA graphs: counted in the table)
 #   decode_window  343M, bf16, compiled decoding after an 8k prompt with a sliding window of 256 on every head (its
@@ -21,7 +23,8 @@
 #            `pip download --no-deps -d .whl dual_attention==0.0.7 einops` (carried as an ignored path)
 #
 # All stages take about 40 minutes of a GPU; with less (a session's 30 minutes, 10 per command), run them in this
-# order, one command per group: `env kernel fsdp`, `train`, `decode`, `sdpa flex`, `decode_window flex_train reference`.
+# order, one command per group: `env kernel fsdp decode_op`, `train`, `decode`, `sdpa flex`, `decode_window flex_train
+# reference`.
 #
 # SDPA's math fallback is forbidden in every benchmark run on CUDA (`--sdpa-math forbid`, the default there): a call
 # that needs it fails the run and the table says so. Wheels in .whl/ (packages the machine lacks or has too old) are
@@ -74,6 +77,10 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
         train)
             stage train "${BENCH[@]}" train "${CUDA[@]}" --seq 1024 2048 4096 8192 --steps 3 --repeats 1 \
                 --out "$OUT/train" || status=1 ;;
+        decode_op)
+            stage decode_op python3 scripts/benchmark_decode_op.py --device cuda --dtype bf16 --heads 8 --kv-heads 4 \
+                --head-dim 64 --relations 8 --relation-dim 64 --slots 8192 --position 8100 --window 256 \
+                --repeats 20 || status=1 ;;
         decode)
             stage decode "${BENCH[@]}" generate "${CUDA[@]}" --prompt 1024 8192 --new-tokens 128 --repeats 1 \
                 --out "$OUT/decode" || status=1
@@ -95,8 +102,8 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
                 --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode, decode_window, flex, flex_train," \
-                "reference)" >&2
+            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode_op, decode, decode_window, flex," \
+                "flex_train, reference)" >&2
             status=2 ;;
     esac
 done

@@ -193,6 +193,21 @@ def test_decode_op_benchmark_counts_the_senders_of_each_mask():
                              "--position", "80", "--window", "16", "--repeats", "2"], capture_output=True, text=True,
                             timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])["results"]
+    report = json.loads(result.stdout.strip().splitlines()[-1])["results"]["cpu"]
     assert {name: r["senders"] for name, r in report.items()} == {"every slot": 96, "causal": 81, "window 16": 16}
     assert all(r["us"] > 0 for r in report.values())
+
+
+def test_decode_op_benchmark_of_the_triton_kernel():
+    """`--backend triton` (on CUDA in scripts/gpu_checks.sh; here under Triton's interpreter): the kernel with its
+    senders split and with one program per row, beside SDPA, for each mask."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_decode_op.py"), "--backend", "triton",
+                             "--slots", "300", "--position", "280", "--window", "16", "--repeats", "1",
+                             "--kv-heads", "2"], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", DAT_HF_CPU_KERNEL="0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])["results"]
+    assert set(report) == {"triton", "triton-one-program", "sdpa-2h"}
+    for rows in report.values():
+        assert {name: r["senders"] for name, r in rows.items()} == {"every slot": 300, "causal": 281, "window 16": 16}
+        assert all(r["us"] > 0 and r["GB/s"] > 0 for r in rows.values())
