@@ -15,7 +15,8 @@ Every measurement runs in its own process (peak memory = that process's max RSS 
 CUDA; "net" = peak minus the memory once the model and optimizer are built); the implementations alternate within
 each repetition, so a drift of the machine's speed hits all alike, and each ratio is taken per repetition and
 summarised by its median [min-max]. Training tables also give the FLOP model's dat_hf / Llama ratio for the backend
-that ran (relations formed once per pair for all heads, or fused values), the limit a measured ratio can approach.
+that ran (relations formed once per pair for all heads, or fused values), the limit a measured ratio can approach;
+generation tables give it for a decoding step.
 Prints a table of medians and ratios, writes JSON (every worker's figures too) and, for `train`, a PNG.
 """
 
@@ -168,6 +169,15 @@ def flop_ratio(args, seq, backend, window=None):
     context = (seq + 1) / 2 if not window else min(window + 1, (seq + 1) / 2)
     return (macs_per_token(config, context, backend or "sdpa", args.device)
             / macs_per_token(config, (seq + 1) / 2, "llama"))
+
+
+def decode_flop_ratio(args, prompt):
+    """dat_hf / Llama MACs of a decoding step, averaged over the generation (senders per step: the prompt and half the
+    new tokens, or dat_hf's window; relations formed once per pair, as every decoding step's backend forms them)."""
+    context = prompt + (args.new_tokens + 1) / 2
+    dat_context = min(args.window + 1, context) if args.relational_bias == "sliding_window" else context
+    config = dat_config(args, max(args.max_len, prompt + args.new_tokens))
+    return macs_per_token(config, dat_context, "eager", args.device) / macs_per_token(config, context, "llama")
 
 
 # ---- workers (one measurement per process) -----------------------------------------------------------------------
@@ -567,6 +577,9 @@ def main_train(args):
 def main_generate(args):
     table = measure("generate", args, args.prompt, "prompt",
                     ("decode_ms_per_token", "forward_ms_per_token", "ms_per_token", "prefill_s", "cache_mib"))
+    for prompt, row in table.items():
+        if "dat_hf" in row and "llama" in row and row["dat_hf"]["decode_ms_per_token"] is not None:
+            row["dat_hf"]["flop_ratio/llama"] = decode_flop_ratio(args, prompt)
     compiled = ""
     if args.compile:
         compiled = "compiled" + (f" with {' '.join(args.compile_options)}" if args.compile_options else "") + (
@@ -576,11 +589,14 @@ def main_generate(args):
           "median ms per step after the prompt, forward = median ms of the model forward alone in those steps (the "
           "rest of a step is generate's loop), with prompt = total time / new tokens, cache = the memory its cache "
           "holds")
-    print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios")
+    print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios; flops: the FLOP "
+          "model's dat_hf / llama for a decoding step (decoding reads more than it computes: a lower bound of the "
+          "work, not of the time)")
     others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'forward ms':>11} {'with prompt':>12} {'prefill s':>10}"
           f" {'cache MiB':>10}"
-          + "".join(f" {'decode/' + o:>19}" for o in others) + "".join(f" {'forward/' + o:>19}" for o in others))
+          + "".join(f" {'decode/' + o:>19}" for o in others) + "".join(f" {'forward/' + o:>19}" for o in others)
+          + f" {'flops/llama':>11}")
     for prompt, row in table.items():
         for impl, r in row.items():
             def cell(value, fmt):
@@ -590,7 +606,8 @@ def main_generate(args):
                   f"{cell(r['ms_per_token'], '.2f'):>12} {cell(r['prefill_s'], '.3f'):>10}"
                   f" {cell(r['cache_mib'], '.1f'):>10}"
                   + "".join(f" {ratio_cell(r['ratios'].get(f'decode_ms_per_token/{o}'), True):>19}" for o in others)
-                  + "".join(f" {ratio_cell(r['ratios'].get(f'forward_ms_per_token/{o}'), True):>19}" for o in others))
+                  + "".join(f" {ratio_cell(r['ratios'].get(f'forward_ms_per_token/{o}'), True):>19}" for o in others)
+                  + f" {cell(r.get('flop_ratio/llama'), '.2f'):>11}")
     if args.compile:
         for prompt, row in table.items():
             counts = {impl: next((x for x in r["runs"] if "compiled_graphs" in x), None) for impl, r in row.items()}

@@ -97,7 +97,20 @@ def test_benchmark_generate_smoke(tmp_path):
         assert 0 < results[impl]["forward_ms_per_token"] < results[impl]["decode_ms_per_token"], results[impl]
         assert results[impl]["cache_mib"] > 0, results[impl]  # what the generation's cache holds
     assert results["reference"]["forward_ms_per_token"] is None and results["reference"]["cache_mib"] is None
-    assert "decode/llama" in stdout and "forward/llama" in stdout
+    assert "decode/llama" in stdout and "forward/llama" in stdout and "flops/llama" in stdout
+    # the FLOP model of a decoding step (6 + 2 senders on average): dat_hf's relational heads cost more per sender
+    assert results["dat_hf"]["flop_ratio/llama"] > 1
+
+
+def test_decode_flop_model_counts_the_senders_of_a_step():
+    """A decoding step's FLOP model grows with the context (dat_hf's relational heads cost more per sender than
+    Llama's heads) and, with a sliding window, stops at the window's senders."""
+    benchmark = benchmark_module()
+    args = benchmark.parser().parse_args(["generate", "--new-tokens", "64"])
+    short, long = benchmark.decode_flop_ratio(args, 64), benchmark.decode_flop_ratio(args, 4096)
+    assert 1 < short < long
+    args.relational_bias = "sliding_window"
+    assert benchmark.decode_flop_ratio(args, 4096) < 1 < short
 
 
 def test_benchmark_compiled_generate_options_smoke(tmp_path):
