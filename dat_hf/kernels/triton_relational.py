@@ -51,6 +51,7 @@ operands of `tl.dot` are widened to float32 first (the interpreter multiplies th
 float32 sum, as on the GPU.
 """
 
+import contextlib
 import functools
 import os
 
@@ -481,6 +482,12 @@ def _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided):
     return triton.cdiv(h, heads), shared, constants
 
 
+def _current(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' (a model spread over GPUs by `device_map`
+    calls the op with tensors on any of them)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _receiver_grid(q_len, rows, splits=1):
     return lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), rows, splits)
 
@@ -564,12 +571,13 @@ def _forward_op(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, q_
     symbols = query.new_empty(splits, b, q_len, h, d, dtype=dtype)
     relations = query.new_empty(splits, b, q_len, h, q_rel.shape[2], dtype=dtype)
     lse = torch.empty(splits, b, h, q_len, device=query.device, dtype=torch.float32)
-    _forward_kernel[_receiver_grid(q_len, b * chunks, splits)](
-        query, key, values, q_rel, k_rel, query if mask is None else mask, symbols, relations, lse, *shared,
-        scaling * LOG2E, relation_scaling, split_size, **constants)
-    if splits == 1:
-        return symbols[0], relations[0], lse[0]
-    return _combine_splits(symbols, relations, lse, query.dtype)
+    with _current(query.device):
+        _forward_kernel[_receiver_grid(q_len, b * chunks, splits)](
+            query, key, values, q_rel, k_rel, query if mask is None else mask, symbols, relations, lse, *shared,
+            scaling * LOG2E, relation_scaling, split_size, **constants)
+        if splits == 1:
+            return symbols[0], relations[0], lse[0]
+        return _combine_splits(symbols, relations, lse, query.dtype)
 
 
 @_forward_op.register_fake
@@ -599,10 +607,11 @@ def _backward_op(grad_symbols: torch.Tensor, grad_relations: torch.Tensor, query
     inputs = (query, key, values, q_rel, k_rel, query if mask is None else mask, grad_symbols, grad_relations, lse,
               delta)
     scales = (scaling * LOG2E, scaling, relation_scaling)
-    _backward_dkv_kernel[lambda meta: (triton.cdiv(kv_len, meta["BLOCK_N"]), b * chunks)](
-        *inputs, d_key, d_values, d_k_rel, *shared, *scales, **constants)
-    _backward_dq_kernel[_receiver_grid(q_len, b * chunks)](
-        *inputs, d_query, d_q_rel, *shared, *scales, **constants)
+    with _current(query.device):
+        _backward_dkv_kernel[lambda meta: (triton.cdiv(kv_len, meta["BLOCK_N"]), b * chunks)](
+            *inputs, d_key, d_values, d_k_rel, *shared, *scales, **constants)
+        _backward_dq_kernel[_receiver_grid(q_len, b * chunks)](
+            *inputs, d_query, d_q_rel, *shared, *scales, **constants)
     groups = h // h_kv  # the query heads of a kv head sum their key and value gradients
 
     def per_kv_head(grad):
