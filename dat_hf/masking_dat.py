@@ -81,6 +81,25 @@ class AttentionMask:
         self.block_mask, self.receiver_blocks, self.window = block_mask, receiver_blocks, window
         self._window_blocks = {}
 
+    def to(self, device, non_blocking: bool = False) -> "AttentionMask":
+        """This mask on `device` (itself if it is there): accelerate's hooks move each layer's inputs with `.to`, for a
+        model spread over devices by `device_map`."""
+        device = torch.device(device)
+        tensors = [t for t in (self._mask, self.row_valid) if isinstance(t, torch.Tensor)]
+        if self.window is not None and self.window.padding is not None:
+            tensors.append(self.window.padding)
+        if all(t.device == device for t in tensors) and (self.block_mask is None or self.block_mask.kv_num_blocks.device
+                                                        == device):
+            return self
+
+        def move(tensor):
+            return tensor.to(device, non_blocking=non_blocking) if isinstance(tensor, torch.Tensor) else tensor
+
+        window = None if self.window is None else self.window.to(device, non_blocking)
+        return AttentionMask(move(self._mask), move(self.row_valid), self.is_causal,
+                             None if self.block_mask is None else self.block_mask.to(device), self.receiver_blocks,
+                             window)
+
     def _from_window(self, q0: int, q1: int, kv0: int, kv1: int) -> torch.Tensor:
         """The sliding window's bool mask of receivers [q0, q1) over senders [kv0, kv1), isolated receivers open."""
         row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
@@ -242,6 +261,10 @@ class SlidingWindow:
         self.window, self.two_sided, self.padding, self.length, self.device = window, two_sided, padding, length, device
         make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
         self.function = make(window)
+
+    def to(self, device, non_blocking: bool = False) -> "SlidingWindow":
+        padding = None if self.padding is None else self.padding.to(device, non_blocking=non_blocking)
+        return SlidingWindow(self.window, self.two_sided, padding, self.length, device)
 
     def senders(self, q0: int, q1: int) -> tuple[int, int]:
         """The range [kv0, kv1) of senders that receivers [q0, q1) may see (before padding)."""

@@ -27,6 +27,7 @@ import torch
 from dat_hf import DATConfig, DATEncoderConfig, DATEncoderModel, DATForCausalLM, DATModel
 from dat_hf import masking_dat
 from dat_hf.dual_attention import DualAttention
+from dat_hf.modeling_dat import build_layer_masks
 
 SEEDS = [0, 1, 2]
 ATOL = 1e-5
@@ -733,3 +734,45 @@ def test_plot_relational_biases_writes_pngs(tmp_path):
                        "--model", str(tmp_path / "model")])
     assert sorted(p.rsplit("/", 1)[-1] for p in paths) == ["bias_graph.png", "layer0_relational.png",
                                                            "layer0_relations.png"]
+
+
+# ---- masks on other devices ----------------------------------------------------------------------------------------
+DEVICE_CASES = {  # (config overrides, sequence length, padded)
+    "causal-padded": (dict(), 12, True),
+    "long-sliding-window-padded": (dict(relational_bias="sliding_window", sliding_window_size=8,
+                                        max_position_embeddings=640), 600, True),
+    "sparse": (dict(relational_heads_bias="sparse", sparse_block_size=3, sparse_global_tokens=1), 12, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DEVICE_CASES))
+def test_masks_follow_a_layer_to_its_device(case):
+    """A model spread over devices (`device_map`): accelerate's hooks move a layer's inputs to its device with `.to`,
+    the masks too (`AttentionMask.to`; a long sliding window's padding with it); a layer on another device (`meta`,
+    for want of a second one) then runs with the masks built for the model's first device. `.to` the device a mask is
+    on is the mask itself (its blocks stay shared by the layers)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    overrides, n, padded = DEVICE_CASES[case]
+    model = DATForCausalLM(make_config(vocab_size=97, **overrides)).eval()
+    ids = torch.randint(1, 97, (2, n))
+    padding = torch.ones(2, n, dtype=torch.long)
+    if padded:
+        padding[0, : n // 3] = 0
+    with torch.no_grad():
+        embeds = model.model.embed_tokens(ids)
+        positions = (padding.cumsum(-1) - 1).clamp(min=0)
+        biases, masks = build_layer_masks(model.config, embeds, padding)
+        symbols = model.model.symbol_retrievers(1, embeds, positions)
+        rope = model.model.rotary_emb(embeds, positions)
+        assert all(mask.to("cpu") is mask for mask in masks.values())
+        assert any(mask.masked for mask in masks.values()), "nothing to move: the case checks nothing"
+        layer = model.model.layers[1].to("meta")
+        add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("meta"), io_same_device=False))
+        out = layer(embeds, symbols, position_embeddings=rope, sensory_mask=masks[biases[1][0]],
+                    relational_mask=masks[biases[1][1]])
+    assert out.device.type == "meta" and out.shape == embeds.shape
+    for mask in masks.values():
+        moved = mask.to("meta")
+        for tensor in (moved._mask, moved.row_valid, None if moved.window is None else moved.window.padding):
+            assert tensor is None or tensor.device.type == "meta"
