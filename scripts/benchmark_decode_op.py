@@ -6,10 +6,10 @@ step's slots (a static cache longer than the tokens so far) and a sliding window
         --relations 8 --relation-dim 64 --slots 8192 --position 8100          # DAT-343M's relational heads
 
 On CPU it times the CPU kernel's decoding op (`cpu`), which reads only the senders from the first to the last a
-row's mask allows. On CUDA (`--backend triton`) it times the Triton kernel with its senders split among programs (`triton`, as decoding
-runs) and with one program per batch row (`triton-one-program`, `SPLIT_SENDERS` raised past the cache: how the kernel
-ran before the splits), beside SDPA over twice the heads (`sdpa-2h`, the self-attention of a Llama of the same width)
-as a yardstick, with the bandwidth each reaches. Shapes default to the benchmark model's relational heads (4 heads of
+row's mask allows. On CUDA (`--backend triton`) it times the Triton kernel with its senders split among programs
+(`triton`, as decoding runs) and with one program per batch row (`triton-one-program`, `SPLIT_SENDERS` raised past
+the cache), beside SDPA over twice the heads (`sdpa-2h`, the self-attention of a Llama of the same width) as a
+yardstick, with the bandwidth each reaches. Shapes default to the benchmark model's relational heads (4 heads of
 32, 4 relations of 32); the cache is flushed from the caches before each call (a decoding step reads it from memory);
 medians over `--repeats` calls, the masks alternating.
 """
