@@ -214,10 +214,14 @@ def test_decode_op_benchmark_counts_the_senders_of_each_mask():
 def test_decode_op_benchmark_of_the_triton_kernel():
     """`--backend triton` (on CUDA in scripts/gpu_checks.sh; here under Triton's interpreter): the kernel with its
     senders split and with one program per row, beside SDPA, for each mask."""
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_decode_op.py"), "--backend", "triton",
-                             "--slots", "300", "--position", "280", "--window", "16", "--repeats", "1",
-                             "--kv-heads", "2"], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1", DAT_HF_CPU_KERNEL="0"))
+    script = str(REPO / "scripts" / "benchmark_decode_op.py")
+    argv = [script, "--backend", "triton", "--slots", "300", "--position", "280", "--window", "16", "--repeats", "1",
+            "--kv-heads", "2"]
+    run_script = ("import runpy, sys, triton_interpreter; triton_interpreter.patch_runtime_loop_bounds(); "
+                  f"sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", run_script], cwd=REPO / "tests", capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1", TRITON_INTERPRET="1",
+                                                  DAT_HF_CPU_KERNEL="0"))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])["results"]
     assert set(report) == {"triton", "triton-one-program", "sdpa-2h"}

@@ -30,6 +30,7 @@ from conftest import tiny_config
 from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
                               reference_parts, right_padding)
 from torch._dynamo.backends.registry import lookup_backend
+from triton_interpreter import patch_runtime_loop_bounds
 
 from transformers.masking_utils import sliding_window_bidirectional_mask_function, sliding_window_causal_mask_function
 
@@ -44,40 +45,8 @@ DEVICE = "cpu" if kernel.INTERPRETED else "cuda"
 SCALING, RELATION_SCALING = 0.37, 0.61
 
 
-def _interpreter_takes_runtime_loop_bounds() -> bool:
-    """Whether Triton's interpreter runs `range(0, n)` over a runtime integer `n`. It holds `n` as a 1-element array
-    and its `tensor.__index__` reads it with `int(array)`, which NumPy 2.4 rejects ("only 0-dimensional arrays can
-    be converted to Python scalars"; Triton 3.6, triton-lang/triton#9171)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def count(out, n):
-        total = 0
-        for _ in range(0, n):
-            total += 1
-        tl.store(out, total)
-
-    out = torch.zeros(1, dtype=torch.int32)
-    try:
-        count[(1,)](out, 2)
-    except triton.runtime.errors.InterpreterError:
-        return False
-    return out.item() == 2
-
-
-if kernel.INTERPRETED and not _interpreter_takes_runtime_loop_bounds():
-    # as Triton does from triton-lang/triton#9172 on: `__index__` reads the 1-element array with `int(array.squeeze())`
-    from triton.runtime import interpreter
-
-    _patch_lang_tensor = interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor_reading_one_element_arrays(tensor, scope):
-        _patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = _patch_lang_tensor_reading_one_element_arrays
-    assert _interpreter_takes_runtime_loop_bounds()
+if kernel.INTERPRETED:
+    patch_runtime_loop_bounds()
 
 
 @pytest.fixture(autouse=True)
