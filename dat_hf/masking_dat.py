@@ -263,6 +263,7 @@ class SlidingWindow:
         self.function = make(window)
 
     def to(self, device, non_blocking: bool = False) -> "SlidingWindow":
+        """The same window with its padding mask on `device`."""
         padding = None if self.padding is None else self.padding.to(device, non_blocking=non_blocking)
         return SlidingWindow(self.window, self.two_sided, padding, self.length, device)
 
