@@ -8,6 +8,8 @@
   CUDA graphs can hold (what generate's compiled decoding uses on a GPU): no op they refuse, and every input it writes
   (the cache's buffers) at a fixed address;
 - a `StaticCache` passed by the user gets DAT's layers; one filled by another model is refused with a clear error;
+- a chunked prefill (`prefill_chunk_size`) gives the generation of one prefill, into dynamic and static caches, also
+  compiled;
 - a model whose layers use the `sliding_window` graph on both head types gets sliding-window cache layers
   (`DATConfig.layer_types`): static ones of `window + 1` slots, whatever the length, which give the logits of
   generation without a cache (as do the dynamic ones) whether the prompt or the decoding fills the window, with left
