@@ -15,6 +15,7 @@ Biases and the symmetry each keeps (see docs/relational_biases.md):
 - isolated receivers (no neighbour, fully padded rows): zero output, no NaN, in fp32, fp16 and bf16.
 - sliding window with a KV cache: cached greedy generation and incremental logits equal the uncached ones past the
   window.
+- every bias's masks move with a layer to its device (a model spread over devices by `device_map`).
 The encoder-decoder (bipartite) source-permutation property is tested with the seq2seq model.
 """
 
