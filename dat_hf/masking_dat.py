@@ -85,20 +85,16 @@ class AttentionMask:
         """This mask on `device` (itself if it is there): accelerate's hooks move each layer's inputs with `.to`, for a
         model spread over devices by `device_map`."""
         device = torch.device(device)
-        tensors = [t for t in (self._mask, self.row_valid) if isinstance(t, torch.Tensor)]
-        if self.window is not None and self.window.padding is not None:
-            tensors.append(self.window.padding)
-        if all(t.device == device for t in tensors) and (self.block_mask is None or self.block_mask.kv_num_blocks.device
-                                                        == device):
+        held = (self._mask, self.row_valid, None if self.window is None else self.window.padding,
+                None if self.block_mask is None else self.block_mask.kv_num_blocks)
+        if all(t is None or t.device == device for t in held):
             return self
 
-        def move(tensor):
-            return tensor.to(device, non_blocking=non_blocking) if isinstance(tensor, torch.Tensor) else tensor
-
+        mask, row_valid = (None if t is None else t.to(device, non_blocking=non_blocking)
+                           for t in (self._mask, self.row_valid))
         window = None if self.window is None else self.window.to(device, non_blocking)
-        return AttentionMask(move(self._mask), move(self.row_valid), self.is_causal,
-                             None if self.block_mask is None else self.block_mask.to(device), self.receiver_blocks,
-                             window)
+        block_mask = None if self.block_mask is None else self.block_mask.to(device)  # (it takes no non_blocking)
+        return AttentionMask(mask, row_valid, self.is_causal, block_mask, self.receiver_blocks, window)
 
     def _from_window(self, q0: int, q1: int, kv0: int, kv1: int) -> torch.Tensor:
         """The sliding window's bool mask of receivers [q0, q1) over senders [kv0, kv1), isolated receivers open."""

@@ -209,15 +209,16 @@ def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_le
 
 def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, masks, **layer_kwargs):
     """The DAT stack shared by every model family: each layer gets its symbols (computed once when shared and
-    feature-independent) and the masks of its biases. `[b, n, d]` -> `[b, n, d]`."""
+    feature-independent) and the masks of its biases. The first `len(layer_biases)` layers run (a config's
+    `num_hidden_layers`, which Transformers lowers for the drafts of self-speculative decoding). `[b, n, d]` ->
+    `[b, n, d]`."""
     symbols = None
     if symbol_retrievers is not None and symbol_retrievers.shared and symbol_retrievers.feature_independent:
         symbols = symbol_retrievers(0, hidden_states, position_ids)
-    for i, layer in enumerate(layers):
+    for i, (layer, (sensory_bias, relational_bias)) in enumerate(zip(layers, layer_biases)):
         layer_symbols = symbols
         if symbol_retrievers is not None and layer_symbols is None:
             layer_symbols = symbol_retrievers(i, hidden_states, position_ids)
-        sensory_bias, relational_bias = layer_biases[i]
         hidden_states = layer(hidden_states, layer_symbols, sensory_mask=masks[sensory_bias],
                               relational_mask=masks[relational_bias], **layer_kwargs)
     return hidden_states
@@ -463,10 +464,9 @@ class DATModel(DATPreTrainedModel):
 
         layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, past_key_values,
                                                 mask_positions, graph_adjacency, causal=self.is_causal)
-        # (`num_hidden_layers` may be lowered for a forward: self-speculative decoding exits early)
         hidden_states = run_dat_layers(
-            self.layers[: self.config.num_hidden_layers], self.symbol_retrievers, hidden_states, position_ids,
-            layer_biases, masks, position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
+            position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
         return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)

@@ -577,8 +577,8 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
             # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
             symbols = retrievers(0, hidden_states, position_ids) if self.config.num_relational_heads > 0 else None
-        # (`num_hidden_layers` may be lowered for a forward: self-speculative decoding exits early)
-        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+        # (the first `num_hidden_layers` layers: Transformers lowers it for the drafts of self-speculative decoding)
+        for i, (layer, (sensory_bias, relational_bias)) in enumerate(zip(self.layers, layer_biases)):
             layer_symbols = symbols
             # CODEPATH: as above (decoder relational heads: the paper's 4 + 4 math DAT).
             if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:
@@ -587,7 +587,6 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             if needs_source and not (past_key_values is not None and past_key_values.is_updated.get(i)):
                 # the source tokens' symbols (computed once per generation: they go to the cross-attention cache)
                 layer_source_symbols = retrievers(i, encoder_hidden_states, source_positions)
-            sensory_bias, relational_bias = layer_biases[i]
             hidden_states = layer(
                 hidden_states,
                 encoder_hidden_states,
