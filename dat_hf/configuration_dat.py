@@ -221,12 +221,14 @@ class DualAttentionConfig(PreTrainedConfig):
 
     def layer_bias(self, layer_idx: int, relational: bool) -> str:
         """The relational bias (attention graph) of one layer's sensory or relational heads."""
-        bias = self.relational_heads_bias if relational and self.relational_heads_bias is not None else self.relational_bias
-        return bias[layer_idx] if isinstance(bias, list) else bias
+        return self.layer_biases()[layer_idx][int(relational)]
 
     def layer_biases(self) -> list[tuple[str, str]]:
-        """(sensory bias, relational bias) of every layer."""
-        return [(self.layer_bias(i, relational=False), self.layer_bias(i, relational=True))
+        """(sensory bias, relational bias) of every layer. (Read per forward and decoding step: each config field is
+        read once, Transformers' config attributes being slow to get.)"""
+        sensory, relational = self.relational_bias, self.relational_heads_bias
+        relational = sensory if relational is None else relational
+        return [tuple(bias[i] if isinstance(bias, list) else bias for bias in (sensory, relational))
                 for i in range(self.num_hidden_layers)]
 
     @property

@@ -69,6 +69,7 @@ def _is_plain_linear(module) -> bool:
     return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
+@replaceable("fused_linear")
 def fused_linear(linears, x):
     """`cat([linear(x) for linear in linears], -1)` as one matrix product over the concatenated weights (one GEMM
     forward, one per gradient backward, instead of one per projection). Wrapped projections (PEFT adapters, hooks such

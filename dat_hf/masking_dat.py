@@ -330,7 +330,8 @@ def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embe
     return AttentionMask(None, window_mask.row_valid(), not two_sided, receiver_blocks=blocks, window=window_mask)
 
 
-def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None) -> AttentionMask:
+def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None,
+                       receiver_blocks: bool = True) -> AttentionMask:
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
     allowed = mask if mask.dtype == torch.bool else mask == 0
@@ -339,7 +340,7 @@ def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=No
     if isinstance(block_mask, torch.Tensor):
         block_mask = _block_mask_of(allowed)
     row_valid = allowed.any(dim=-1, keepdim=True)
-    blocks = _receiver_blocks(allowed, is_causal) if mask.dtype == torch.bool else None
+    blocks = _receiver_blocks(allowed, is_causal) if receiver_blocks and mask.dtype == torch.bool else None
     if not torch.compiler.is_compiling() and bool(row_valid.all()):
         return AttentionMask(mask, None, is_causal, block_mask, blocks)
     # let isolated receivers attend everywhere (finite kernels), their output is zeroed by the caller
@@ -396,8 +397,10 @@ def build_attention_mask(
     position_ids: torch.Tensor | None = None,
     graph_adjacency: torch.Tensor | None = None,
     causal: bool = True,
+    receiver_blocks: bool = True,
 ) -> AttentionMask:
-    """Build the mask of one relational bias. `causal` intersects every bias with the causal order (decoders)."""
+    """Build the mask of one relational bias. `causal` intersects every bias with the causal order (decoders);
+    `receiver_blocks=False` skips finding the blocks of receivers (a mask built ahead, whose blocks are not kept)."""
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.bool()
     if bias == "sliding_window_bidirectional" and causal:
@@ -410,7 +413,7 @@ def build_attention_mask(
         inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=past_key_values,
                       **({} if two_sided else {"position_ids": position_ids}))
         blockwise = _sliding_window_without_dense_mask(window, two_sided, inputs_embeds, attention_mask,
-                                                       past_key_values, position_ids)
+                                                       past_key_values, position_ids) if receiver_blocks else None
         if blockwise is not None:
             if uses_flex_attention(config):  # FlexAttention heads skip the masked blocks with a BlockMask
                 blockwise.block_mask = create(config=_MaskFormat(config, "flex_attention", window), **inputs)
@@ -419,7 +422,7 @@ def build_attention_mask(
         ring = ring_layer(past_key_values)  # (a one-token step over a ring cache: its keys in slot order)
         if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
             dense, block = in_slots, None if block is None else in_slots
-        return _with_row_validity(dense, is_causal=not two_sided, block_mask=block)
+        return _with_row_validity(dense, is_causal=not two_sided, block_mask=block, receiver_blocks=receiver_blocks)
     and_fn = None
     if bias == "sparse":
         and_fn = _sparse_function(config, inputs_embeds.device, _token_positions(attention_mask))
@@ -436,7 +439,7 @@ def build_attention_mask(
         masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
                               attention_mask=attention_mask, past_key_values=past_key_values,
                               and_mask_function=and_fn)
-    return _with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1])
+    return _with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1], receiver_blocks=receiver_blocks)
 
 
 def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, encoder_attention_mask) -> AttentionMask:
@@ -469,11 +472,11 @@ def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
 
 
 def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
-                graph_adjacency=None, causal=True) -> dict[str, AttentionMask]:
+                graph_adjacency=None, causal=True, receiver_blocks=True) -> dict[str, AttentionMask]:
     """Build every distinct bias used by a model once per forward: {bias name: AttentionMask}."""
     return {
         bias: build_attention_mask(bias, config, inputs_embeds, attention_mask, past_key_values, position_ids,
-                                   graph_adjacency, causal)
+                                   graph_adjacency, causal, receiver_blocks)
         for bias in dict.fromkeys(biases)
     }
 

@@ -515,7 +515,8 @@ class DATGenerationMixin(GenerationMixin):
         2-D padding mask: what the forward would build, made outside the compiled graph (see `prebuildable`)."""
         decoder_config = config.get_text_config(decoder=True)
         biases = {bias for pair in decoder_config.layer_biases() for bias in pair}
-        masks = build_masks(biases, decoder_config, inputs_embeds, attention_mask, past_key_values, position_ids)
+        masks = build_masks(biases, decoder_config, inputs_embeds, attention_mask, past_key_values, position_ids,
+                            receiver_blocks=False)  # (the forward finds the blocks of what it is handed)
         return {bias: prebuildable(mask) for bias, mask in masks.items()}
 
 

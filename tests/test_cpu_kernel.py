@@ -9,7 +9,9 @@
 - the decoding op (one receiver per row, W_r applied) against the reference, for GQA, batch-1 symbol values, widths
   that are not multiples of the vector length, masks and strided views of a packed cache; greedy generation with
   the `cpu` backend equals generation with the reference;
-- the SwiGLU and RoPE ops against PyTorch in float64, and the registered kernels taking them in training.
+- the SwiGLU and RoPE ops against PyTorch in float64, and the registered kernels taking them in training;
+- the input-projection op of decoding against float64 products, and a decoding step taking it (logits as the
+  reference's), while gradients, biases, hooks and long inputs keep the reference.
 (Backend-level comparisons of every backend over the shared case matrix: `test_relational_backends.py`.)
 """
 
@@ -19,6 +21,7 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_config
+from torch import nn
 from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
                               reference_parts, right_padding)
 
@@ -463,6 +466,18 @@ def test_rope_op_matches_pytorch_in_fp64(cos_batch, loaded):
         kernel.rope_op(x32, cos.float()[:, :5], sin.float()[:, :5])
 
 
+def record_calls(monkeypatch, name, what):
+    """Wrap the op `kernel.<name>` so that each call appends `what(*args, **kwargs)` to the returned list."""
+    calls, original = [], getattr(kernel, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(what(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, name, recorded)
+    return calls
+
+
 def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
     """A float32 CPU training step of dual attention rotates keys and queries with the registered one-pass op (forward
     and the transposed rotation backward), and its output and gradients match the reference `apply_rotary`."""
@@ -471,9 +486,7 @@ def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
     config = tiny_config()
     model = DATForCausalLM(config).train()
     ids = torch.randint(0, config.vocab_size, (2, 9))
-    calls = []
-    original = kernel.rope_op
-    monkeypatch.setattr(kernel, "rope_op", lambda *a, **k: calls.append(k.get("transpose", False)) or original(*a, **k))
+    calls = record_calls(monkeypatch, "rope_op", lambda *a, **k: k.get("transpose", False))
     loss = model(ids, labels=ids).loss
     got = torch.autograd.grad(loss, list(model.parameters()))
     assert calls == [False] * config.num_hidden_layers + [True] * config.num_hidden_layers
@@ -485,3 +498,60 @@ def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-6)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 256), (3, 20), (da.FUSED_PROJECTION_MIN_ROWS - 1, 37)])
+def test_multi_linear_op_matches_the_projections_in_fp64(rows, d, loaded):
+    """One op for a decoding step's input projections gives `cat([x W_i^T])` computed in float64, for widths that are
+    not multiples of its 4-row groups and inputs that are not multiples of the vector length; two threads give the
+    one-thread result exactly; bad inputs name the problem."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, d, generator=g, dtype=torch.float64)
+    weights = [torch.randn(out, d, generator=g, dtype=torch.float64) for out in (5, 13, 8, 1, 64)]
+    expected = torch.cat([x @ w.T for w in weights], dim=-1)
+    got = kernel.multi_linear_op(x.float(), [w.float() for w in weights])
+    assert got.shape == (rows, 91) and got.dtype == torch.float32
+    assert (got.double() - expected).abs().max() < 1e-5 * d**0.5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.multi_linear_op(x.float(), [w.float() for w in weights]), got)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match=r"multi_linear: each weight must be a contiguous float32 CPU tensor \["):
+        kernel.multi_linear_op(x.float(), [weights[0].float()[:, :-1]])  # one column short
+    with pytest.raises(RuntimeError, match=r"multi_linear: x must be a contiguous float32 CPU tensor \[rows, d\]"):
+        kernel.multi_linear_op(x, [w.float() for w in weights])
+
+
+def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
+    """Without gradients, a float32 decoding step of dual attention projects its input with the registered op (once
+    per layer), and its logits match the reference's one matrix product per projection; wrapped or biased projections,
+    long inputs and inputs that need gradients keep the reference."""
+    assert registered_kernels("fused_linear") == [kernel.cpu_fused_linear]
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = DATForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 41))
+    calls = record_calls(monkeypatch, "multi_linear_op", lambda x, weights: x.shape)
+    with torch.no_grad():
+        out = model(ids[:, :-1], use_cache=True)  # the prompt: 80 rows, one matrix product
+        assert calls == []
+        step = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+    assert calls == [(2, config.hidden_size)] * config.num_hidden_layers
+    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+    relational = model.model.layers[0].dual_attn.relational
+    linears = [relational.q_attn_proj, relational.q_rel_proj]
+    x = torch.randn(1, 1, config.hidden_size)
+    with torch.no_grad():
+        assert kernel.accepts_fused_linear(linears, x)
+        assert not kernel.accepts_fused_linear(linears, torch.randn(da.FUSED_PROJECTION_MIN_ROWS, config.hidden_size))
+        assert not kernel.accepts_fused_linear(linears, x.double())
+        assert not kernel.accepts_fused_linear([*linears, nn.Linear(config.hidden_size, 3)], x)  # a bias
+        hook = linears[0].register_forward_hook(lambda *args: None)
+        assert not kernel.accepts_fused_linear(linears, x)
+        hook.remove()
+    assert not kernel.accepts_fused_linear(linears, x)  # gradients wanted for the weights

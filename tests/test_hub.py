@@ -309,8 +309,9 @@ def test_remote_code_loads_without_dat_hf(remote_run):
 
 def test_remote_code_same_outputs(remote_run):
     results, expected = remote_run["results"], remote_run["expected"]
-    torch.testing.assert_close(results["logits"], expected["logits"], atol=1e-6, rtol=0)
-    torch.testing.assert_close(results["hidden"], expected["hidden"], atol=1e-6, rtol=0)
+    # (float32: here dat_hf's CPU kernels run, there the PyTorch references, which sum in other orders)
+    torch.testing.assert_close(results["logits"], expected["logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["hidden"], expected["hidden"], atol=1e-5, rtol=1e-5)
     assert torch.equal(results["generated"], expected["generated"])
 
 

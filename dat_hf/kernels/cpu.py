@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (float32) as dat_hf backends: relational attention, RoPE, the MLP's SwiGLU.
+"""The compiled CPU kernels (float32) as dat_hf backends: relational attention, RoPE, the MLP's SwiGLU, a decoding step's
+input projections.
 
 Relational attention (`csrc/relational_attention.cpp`), backend `"cpu"`: flash-style, one block of 64 receivers at
 a time with an online softmax over blocks of 256 senders; per block it computes the attention scores of every head,
@@ -14,11 +15,14 @@ A bool mask `[b|1, q|1, kv]` (padding, relational biases) applies per block on t
 products go to the BLAS inside PyTorch (`sgemm_`), element-wise work to `at::vec`. The ops are `torch.library`
 operators with fake (meta) kernels and an autograd formula, so `torch.compile` graphs call them as opaque kernels.
 
-RoPE and SwiGLU (`csrc/swiglu_rope.cpp`): one pass each way instead of PyTorch's 3-5 element-wise passes.
+RoPE and SwiGLU (`csrc/swiglu_rope.cpp`): one pass each way instead of PyTorch's 3-5 element-wise passes. The layer's
+input projections for a few rows (`csrc/projections.cpp`, decoding): one op for all of them, which reads each weight
+once, instead of one matrix-vector product per projection.
 """
 
 import torch
 
+from ..dual_attention import FUSED_PROJECTION_MIN_ROWS, _is_plain_linear
 from ..kernel_hooks import register_kernel
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from .autograd import relational_op_autograd
@@ -60,6 +64,10 @@ def _register_python_side():
     @torch.library.register_fake("dat_hf::relational_attention_decode")
     def _decode_fake(query, key, values, q_rel, k_rel, relation_proj, mask, scaling, relation_scaling):
         return query.new_empty(query.shape[0], 1, query.shape[1], query.shape[3])
+
+    @torch.library.register_fake("dat_hf::multi_linear")
+    def _multi_linear_fake(x, weights):
+        return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
 
     @torch.library.register_fake("dat_hf::swiglu_forward")
     def _swiglu_fake(gate, up):
@@ -193,6 +201,31 @@ def accepts_rotary(x, cos, sin) -> bool:
     )
 
 
+# ---- the layer's input projections -------------------------------------------------------------------------------
+def multi_linear_op(x, weights):
+    """`cat([x @ w.T for w in weights], -1)` in one op (no autograd), for a few rows: x `[rows, d]`, weights
+    `[out_i, d]`, contiguous float32 CPU tensors -> `[rows, sum of out_i]`."""
+    return torch.ops.dat_hf.multi_linear(x, list(weights))
+
+
+def cpu_fused_linear(linears, x):
+    rows = x.reshape(-1, x.shape[-1])
+    return multi_linear_op(rows.contiguous(), [linear.weight for linear in linears]).view(*x.shape[:-1], -1)
+
+
+def accepts_fused_linear(linears, x) -> bool:
+    """Decoding-sized inputs (fewer rows than `FUSED_PROJECTION_MIN_ROWS`, where the reference runs one matrix
+    product per projection) without gradients, float32 on CPU, through plain bias-free linears."""
+    return (
+        x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[:-1].numel() < FUSED_PROJECTION_MIN_ROWS
+        and all(_is_plain_linear(linear) and linear.bias is None and linear.weight.dtype == torch.float32
+                and linear.weight.is_contiguous() for linear in linears)
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(linear.weight.requires_grad
+                                                                     for linear in linears)))
+        and load_cpu_kernel()
+    )
+
+
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
 def swiglu_op(gate, up):
     """`silu(gate) * up` in one pass (no autograd): float32 CPU tensors of one shape -> that shape."""
@@ -218,7 +251,8 @@ def register():
     """Register the CPU backend and kernels with the model files' registries."""
     RELATIONAL_ATTENTION_FUNCTIONS.register("cpu", cpu_relational_attention, supports_cpu, preferred_on=("cpu",))
     register_kernel("rotary", cpu_rotary, accepts_rotary)
+    register_kernel("fused_linear", cpu_fused_linear, accepts_fused_linear)
 
 
-__all__ = ["cpu_relational_attention", "relational_attention_op", "relational_decode_op", "rope_op", "swiglu_op",
-           "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel", "cpu_kernel_ready"]
+__all__ = ["cpu_relational_attention", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
+           "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel", "cpu_kernel_ready"]
