@@ -524,6 +524,10 @@ def test_multi_linear_op_matches_the_projections_in_fp64(rows, d, loaded):
         kernel.multi_linear_op(x, [w.float() for w in weights])
 
 
+class SubclassedWeight(torch.Tensor):
+    pass
+
+
 def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
     """Without gradients, a float32 decoding step of dual attention projects its input with the registered op (once
     per layer), and its logits match the reference's one matrix product per projection; wrapped or biased projections,
@@ -554,4 +558,7 @@ def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
         hook = linears[0].register_forward_hook(lambda *args: None)
         assert not kernel.accepts_fused_linear(linears, x)
         hook.remove()
+        subclass = nn.Linear(config.hidden_size, 3, bias=False)
+        subclass.weight = nn.Parameter(torch.Tensor._make_subclass(SubclassedWeight, subclass.weight.detach()))
+        assert not kernel.accepts_fused_linear([*linears, subclass], x)  # (e.g. a quantized weight)
     assert not kernel.accepts_fused_linear(linears, x)  # gradients wanted for the weights

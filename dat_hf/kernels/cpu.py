@@ -21,6 +21,7 @@ once, instead of one matrix-vector product per projection.
 """
 
 import torch
+from torch import nn
 
 from ..dual_attention import FUSED_PROJECTION_MIN_ROWS, _is_plain_linear
 from ..kernel_hooks import register_kernel
@@ -215,10 +216,12 @@ def cpu_fused_linear(linears, x):
 
 def accepts_fused_linear(linears, x) -> bool:
     """Decoding-sized inputs (fewer rows than `FUSED_PROJECTION_MIN_ROWS`, where the reference runs one matrix
-    product per projection) without gradients, float32 on CPU, through plain bias-free linears."""
+    product per projection) without gradients, float32 on CPU, through plain bias-free linears whose weights are plain
+    tensors (not quantized or distributed tensor subclasses)."""
     return (
         x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[:-1].numel() < FUSED_PROJECTION_MIN_ROWS
-        and all(_is_plain_linear(linear) and linear.bias is None and linear.weight.dtype == torch.float32
+        and all(_is_plain_linear(linear) and linear.bias is None and type(linear.weight) in (nn.Parameter, torch.Tensor)
+                and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
                 and linear.weight.is_contiguous() for linear in linears)
         and not (torch.is_grad_enabled() and (x.requires_grad or any(linear.weight.requires_grad
                                                                      for linear in linears)))
