@@ -23,7 +23,7 @@ once, instead of one matrix-vector product per projection.
 import torch
 from torch import nn
 
-from ..dual_attention import FUSED_PROJECTION_MIN_ROWS, _is_plain_linear
+from .. import dual_attention
 from ..kernel_hooks import register_kernel
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from .autograd import relational_op_autograd
@@ -218,13 +218,14 @@ def accepts_fused_linear(linears, x) -> bool:
     """Decoding-sized inputs (fewer rows than `FUSED_PROJECTION_MIN_ROWS`, where the reference runs one matrix
     product per projection) without gradients, float32 on CPU, through plain bias-free linears whose weights are plain
     tensors (not quantized or distributed tensor subclasses)."""
+    weights = [linear.weight for linear in linears]
     return (
-        x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[:-1].numel() < FUSED_PROJECTION_MIN_ROWS
-        and all(_is_plain_linear(linear) and linear.bias is None and type(linear.weight) in (nn.Parameter, torch.Tensor)
-                and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
-                and linear.weight.is_contiguous() for linear in linears)
-        and not (torch.is_grad_enabled() and (x.requires_grad or any(linear.weight.requires_grad
-                                                                     for linear in linears)))
+        x.device.type == "cpu" and x.dtype == torch.float32
+        and x.shape[:-1].numel() < dual_attention.FUSED_PROJECTION_MIN_ROWS
+        and all(dual_attention._is_plain_linear(linear) and linear.bias is None for linear in linears)
+        and all(type(w) in (nn.Parameter, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32
+                and w.is_contiguous() for w in weights)
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
         and load_cpu_kernel()
     )
 
