@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (float32) as dat_hf backends: relational attention, RoPE, the MLP's SwiGLU, a decoding step's
-input projections.
+"""The compiled CPU kernels (float32) as dat_hf backends: relational attention, RoPE, the MLP's SwiGLU, a decoding
+step's input projections.
 
 Relational attention (`csrc/relational_attention.cpp`), backend `"cpu"`: flash-style, one block of 64 receivers at
 a time with an online softmax over blocks of 256 senders; per block it computes the attention scores of every head,
@@ -259,4 +259,5 @@ def register():
 
 
 __all__ = ["cpu_relational_attention", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
-           "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel", "cpu_kernel_ready"]
+           "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel",
+           "cpu_kernel_ready"]
