@@ -368,7 +368,7 @@ class DATConfig(DualAttentionConfig):
     """
 
     model_type = "dat"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # (the cache field: 5.24+, earlier)
     allowed_relational_biases = CAUSAL_BIASES
 
     vocab_size: int = 32000

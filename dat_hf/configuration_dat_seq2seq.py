@@ -91,7 +91,8 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     """
 
     model_type = "dat_seq2seq"
-    keys_to_ignore_at_inference = ["past_key_values", "encoder_last_hidden_state"]
+    # (the cache field: "cache" from Transformers 5.24, "past_key_values" before)
+    keys_to_ignore_at_inference = ["cache", "past_key_values", "encoder_last_hidden_state"]
     attribute_map = {"decoder_layers": "num_hidden_layers"}
     allowed_relational_biases = CAUSAL_BIASES
 

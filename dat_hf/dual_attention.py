@@ -392,7 +392,7 @@ class DualAttention(nn.Module):
         self._input_projections, self._input_widths = tuple(self._input_projections), tuple(self._input_widths)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
-                past_key_values=None, relative_position_index=None, **kwargs):
+                cache=None, relative_position_index=None, **kwargs):
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
         linears = [getattr(relational if owner == "relational" else sensory, name)
@@ -418,12 +418,12 @@ class DualAttention(nn.Module):
         # position-relative symbols need the receivers' index among the cached keys (a static cache is longer, a
         # sliding one starts later; a copy: a static layer counts its length in a tensor the update increments)
         query_offset = ring = None
-        if past_key_values is not None and relational is not None and relational.relative_symbols:
-            query_offset = torch.as_tensor(query_slot(past_key_values, self.layer_idx, n)).clone()
-            ring = ring_layer(past_key_values, self.layer_idx)
-        if past_key_values is not None:
+        if cache is not None and relational is not None and relational.relative_symbols:
+            query_offset = torch.as_tensor(query_slot(cache, self.layer_idx, n)).clone()
+            ring = ring_layer(cache, self.layer_idx)
+        if cache is not None:
             value_cache = torch.cat(values, dim=-1) if len(values) > 1 else values[0]
-            key_cache, value_cache = past_key_values.update(key_cache, value_cache[:, None], self.layer_idx)
+            key_cache, value_cache = cache.update(key_cache, value_cache[:, None], self.layer_idx)
             values = value_cache[:, 0].split(self._value_widths, dim=-1)
         if ring is not None:  # keys in slot order: the senders' offsets modulo the ring
             relative_position_index = symbol_rows(relational, None, query_offset, 0, n, n, key_cache.shape[-2],

@@ -29,6 +29,7 @@ from transformers.masking_utils import (create_bidirectional_mask, create_bidire
                                         sliding_window_causal_mask_function)
 
 from .cache_dat import ring_layer
+from .transformers_compat import cache_kwargs
 
 
 class _Cut(torch.autograd.Function):
@@ -308,7 +309,7 @@ class SlidingWindow:
         return None if bool(valid.all()) else valid
 
 
-def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embeds, attention_mask, past_key_values,
+def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embeds, attention_mask, cache,
                                        position_ids) -> AttentionMask | None:
     """A long sliding window of one forward without cache content, as a `SlidingWindow` (no `n x n` mask), when its
     receiver blocks skip enough work; None where Transformers' mask builder must decide (a cache with tokens,
@@ -318,10 +319,10 @@ def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embe
         return None
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != q_len):
         return None
-    if past_key_values is not None and (getattr(past_key_values, "is_compileable", False)
-                                        or past_key_values.get_seq_length() > 0):
+    if cache is not None and (getattr(cache, "is_compileable", False)
+                                        or cache.get_seq_length() > 0):
         return None
-    if position_ids is not None and attention_mask is None and past_key_values is None and not two_sided:
+    if position_ids is not None and attention_mask is None and cache is None and not two_sided:
         return None  # (Transformers reads packed sequences from the positions)
     window_mask = SlidingWindow(window, two_sided, attention_mask, q_len, inputs_embeds.device)
     blocks = window_mask.receiver_blocks()
@@ -393,7 +394,7 @@ def build_attention_mask(
     config,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values=None,
+    cache=None,
     position_ids: torch.Tensor | None = None,
     graph_adjacency: torch.Tensor | None = None,
     causal: bool = True,
@@ -410,16 +411,16 @@ def build_attention_mask(
         two_sided = bias == "sliding_window_bidirectional"
         create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
         window = config.sliding_window_size + (0 if two_sided else 1)
-        inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=past_key_values,
+        inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **cache_kwargs(cache),
                       **({} if two_sided else {"position_ids": position_ids}))
         blockwise = _sliding_window_without_dense_mask(window, two_sided, inputs_embeds, attention_mask,
-                                                       past_key_values, position_ids) if receiver_blocks else None
+                                                       cache, position_ids) if receiver_blocks else None
         if blockwise is not None:
             if uses_flex_attention(config):  # FlexAttention heads skip the masked blocks with a BlockMask
                 blockwise.block_mask = create(config=_MaskFormat(config, "flex_attention", window), **inputs)
             return blockwise
         dense, block = _both_formats(create, config, window, **inputs)
-        ring = ring_layer(past_key_values)  # (a one-token step over a ring cache: its keys in slot order)
+        ring = ring_layer(cache)  # (a one-token step over a ring cache: its keys in slot order)
         if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
             dense, block = in_slots, None if block is None else in_slots
         return _with_row_validity(dense, is_causal=not two_sided, block_mask=block, receiver_blocks=receiver_blocks)
@@ -434,10 +435,10 @@ def build_attention_mask(
     ordered = bias == "causal" or (causal and bias != "full")
     if ordered:
         masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                              past_key_values=past_key_values, position_ids=position_ids, and_mask_function=and_fn)
+                              **cache_kwargs(cache), position_ids=position_ids, and_mask_function=and_fn)
     else:
         masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
-                              attention_mask=attention_mask, past_key_values=past_key_values,
+                              attention_mask=attention_mask, **cache_kwargs(cache),
                               and_mask_function=and_fn)
     return _with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1], receiver_blocks=receiver_blocks)
 
@@ -471,11 +472,11 @@ def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
     return mask.mask
 
 
-def build_masks(biases, config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
+def build_masks(biases, config, inputs_embeds, attention_mask, cache=None, position_ids=None,
                 graph_adjacency=None, causal=True, receiver_blocks=True) -> dict[str, AttentionMask]:
     """Build every distinct bias used by a model once per forward: {bias name: AttentionMask}."""
     return {
-        bias: build_attention_mask(bias, config, inputs_embeds, attention_mask, past_key_values, position_ids,
+        bias: build_attention_mask(bias, config, inputs_embeds, attention_mask, cache, position_ids,
                                    graph_adjacency, causal, receiver_blocks)
         for bias in dict.fromkeys(biases)
     }

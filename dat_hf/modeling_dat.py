@@ -49,6 +49,7 @@ from .input_validation import (
 )
 from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
+from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
 
 # What DAT outputs add to Transformers' outputs, in the format `auto_docstring` reads
@@ -136,9 +137,9 @@ class DATDecoderLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
-                past_key_values=None, **kwargs):
+                cache=None, **kwargs):
         def attend(x):
-            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, past_key_values,
+            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, cache,
                                        **kwargs)
             return self.dropout(out)
 
@@ -173,7 +174,7 @@ def add_positions(module, hidden_states, position_ids, position_embedding_type):
     return hidden_states, None
 
 
-def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=None, position_ids=None,
+def build_layer_masks(config, inputs_embeds, attention_mask, cache=None, position_ids=None,
                       graph_adjacency=None, causal=True):
     """Every layer's (sensory, relational) biases and their masks, each distinct bias built once per forward (or
     given: a dict `{bias: mask}` from `create_masks_for_generate`)."""
@@ -181,16 +182,16 @@ def build_layer_masks(config, inputs_embeds, attention_mask, past_key_values=Non
     biases = [bias for pair in layer_biases for bias in pair]
     if isinstance(attention_mask, dict):
         return layer_biases, prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
-    validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], past_key_values)
-    masks = build_masks(biases, config, inputs_embeds, attention_mask, past_key_values, position_ids, graph_adjacency,
+    validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
+    masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
                         causal=causal)
     return layer_biases, masks
 
 
-def starts_cache(model, use_cache, past_key_values) -> bool:
+def starts_cache(model, use_cache, cache) -> bool:
     """Whether a decoder forward starts its own cache: asked for, none given, and not a training forward (train mode,
     gradients on), whose cache nothing would read."""
-    return bool(use_cache) and past_key_values is None and not (model.training and torch.is_grad_enabled())
+    return bool(use_cache) and cache is None and not (model.training and torch.is_grad_enabled())
 
 
 def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len, past_seen, device,
@@ -222,21 +223,6 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
         hidden_states = layer(hidden_states, layer_symbols, sensory_mask=masks[sensory_bias],
                               relational_mask=masks[relational_bias], **layer_kwargs)
     return hidden_states
-
-
-def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
-    last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
-    `[b, k]`, per-sample positions (`[b, k, d]`); a 2D boolean `[b, n]`, the True positions, flattened to
-    `[true, d]`. The rules of `transformers.modeling_utils.slice_logits_to_keep`, which Transformers 5.17 does not
-    have."""
-    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
-        if logits_to_keep.dtype == torch.bool:
-            return hidden_states[logits_to_keep]
-        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
-    if isinstance(logits_to_keep, int):
-        logits_to_keep = slice(-logits_to_keep, None)
-    return hidden_states[:, logits_to_keep, :]
 
 
 def attentions_imply_relations(func):
@@ -274,7 +260,7 @@ class DATPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DATDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = CACHE_NAMES
     _supports_sdpa = True
     _supports_flex_attn = True
     # FlashAttention's kernels take no arbitrary masks (relational biases) and no value widths beyond the key width
@@ -420,12 +406,13 @@ class DATModel(DATPreTrainedModel):
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
+    @takes_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         graph_adjacency: torch.BoolTensor | None = None,
@@ -440,7 +427,7 @@ class DATModel(DATPreTrainedModel):
             sequence_length, hidden_size)`, the cache, and on request the hidden states, the attention weights of every
             head and the relations.
         """
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_seen = cache.get_seq_length() if cache is not None else 0
         validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen,
                              vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
         if inputs_embeds is None:
@@ -449,12 +436,12 @@ class DATModel(DATPreTrainedModel):
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
-        starts_own_cache = starts_cache(self, use_cache, past_key_values)  # (a user's dynamic cache keeps its layers)
+        starts_own_cache = starts_cache(self, use_cache, cache)  # (a user's dynamic cache keeps its layers)
         if starts_own_cache:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(past_key_values, in_place=starts_own_cache))
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache = DynamicCache(config=self.config)
+        if cache is not None:  # DAT's layers: keys and values have their own head counts
+            check_cache(prepare_cache(cache, in_place=starts_own_cache))
+        past_seen = cache.get_seq_length() if cache is not None else 0
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
                                                             past_seen, inputs_embeds.device)
 
@@ -462,14 +449,14 @@ class DATModel(DATPreTrainedModel):
                                                            self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, past_key_values,
+        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, cache,
                                                 mask_positions, graph_adjacency, causal=self.is_causal)
         hidden_states = run_dat_layers(
             self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
-            position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs,
+            position_embeddings=position_embeddings, cache=cache, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
-        return DATModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return DATModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
     @staticmethod
     def _default_position_ids(attention_mask, batch_size, seq_len, past_seen, device):
@@ -490,7 +477,7 @@ class DATGenerationMixin(GenerationMixin):
                                       max_cache_length):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
                                               max_cache_length)
-        cache = model_kwargs.get("past_key_values")
+        cache = output_cache(model_kwargs)
         if cache is not None and not getattr(cache, "_is_user_defined", False):
             prepare_cache(cache, max_cache_length)
 
@@ -509,13 +496,14 @@ class DATGenerationMixin(GenerationMixin):
             "and DAT's relational heads need their own cache layout. Pad the prompts into a batch and call `generate`."
         )
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
+    @takes_cache
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache=None, position_ids=None,
                                   **kwargs):
         """`{bias: mask}` for every relational bias of the decoder (dense bool `[b, 1, q, max_len]` or None), from the
         2-D padding mask: what the forward would build, made outside the compiled graph (see `prebuildable`)."""
         decoder_config = config.get_text_config(decoder=True)
         biases = {bias for pair in decoder_config.layer_biases() for bias in pair}
-        masks = build_masks(biases, decoder_config, inputs_embeds, attention_mask, past_key_values, position_ids,
+        masks = build_masks(biases, decoder_config, inputs_embeds, attention_mask, cache, position_ids,
                             receiver_blocks=False)  # (the forward finds the blocks of what it is handed)
         return {bias: prebuildable(mask) for bias, mask in masks.items()}
 
@@ -536,12 +524,13 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
 
     @can_return_tuple
     @auto_docstring
+    @takes_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -566,7 +555,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             graph_adjacency=graph_adjacency,
@@ -580,7 +569,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         return DATCausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_kwargs(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             relations=outputs.relations,
@@ -601,12 +590,13 @@ class DATForSequenceClassification(DATPreTrainedModel):
 
     @can_return_tuple
     @auto_docstring
+    @takes_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -624,7 +614,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
         """
         validate_classification_labels(self.config, labels, input_ids, inputs_embeds)
         outputs = self.model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
         )
         logits = self.score(outputs.last_hidden_state)
@@ -646,7 +636,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
         return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled_logits, past_key_values=outputs.past_key_values,
+            loss=loss, logits=pooled_logits, **cache_kwargs(output_cache(outputs)),
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 

@@ -62,10 +62,10 @@ from .modeling_dat import (
     make_norm,
     resolve_position_ids,
     run_dat_layers,
-    slice_logits_to_keep,
     starts_cache,
 )
 from .symbol_retrieval import SymbolRetrievers
+from .transformers_compat import cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
 
 class StackConfig:
@@ -284,19 +284,19 @@ class DATCrossAttention(nn.Module):
             widths += [rel.num_kv_heads * self.head_dim, rel.num_relations * rel.relation_dim]
         return widths
 
-    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, cache=None, **kwargs):
         q_s, q_r, q_rel = self._project_queries(hidden_states)
-        cache = past_key_values.cross_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else None
-        if cache is not None and past_key_values.is_updated.get(self.layer_idx):
-            layer = cache.layers[self.layer_idx]
+        cross_cache = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else None
+        if cross_cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cross_cache.layers[self.layer_idx]
             key_cache, value_cache = layer.keys, layer.values
         else:
             keys, values = self._project_source(encoder_hidden_states, source_symbols)
             key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
             value_cache = torch.cat(values, dim=-1)[:, None]
-            if cache is not None:
-                key_cache, value_cache = cache.update(key_cache, value_cache, self.layer_idx)
-                past_key_values.is_updated[self.layer_idx] = True
+            if cross_cache is not None:
+                key_cache, value_cache = cross_cache.update(key_cache, value_cache, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
         b, _, m, _ = key_cache.shape
         key_parts = key_cache.split(
             [module.num_kv_heads for module in (self.sensory, self.relational) if module is not None], dim=1)
@@ -337,8 +337,8 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, encoder_hidden_states, symbols=None, source_symbols=None,
                 position_embeddings=None, sensory_mask=None, relational_mask=None, cross_mask=None,
-                past_key_values=None, **kwargs):
-        self_cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+                cache=None, **kwargs):
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
         def self_attend(x):
             out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, self_cache,
@@ -346,7 +346,7 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
             return self.dropout(out)
 
         def cross_attend(x):
-            out, _, _ = self.cross_attn(x, encoder_hidden_states, source_symbols, cross_mask, past_key_values,
+            out, _, _ = self.cross_attn(x, encoder_hidden_states, source_symbols, cross_mask, cache,
                                         **kwargs)
             return self.dropout(out)
 
@@ -518,6 +518,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
+    @takes_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -525,7 +526,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         encoder_hidden_states: torch.FloatTensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
@@ -536,9 +537,10 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             hidden_size)`, the cache, and on request the hidden states, the (cross-)attention weights of every head
             and the relations.
         """
-        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
-            raise ValueError("The seq2seq decoder needs an `EncoderDecoderCache` as `past_key_values`.")
-        past_seen = past_key_values.self_attention_cache.get_seq_length() if past_key_values is not None else 0
+        if cache is not None and not isinstance(cache, EncoderDecoderCache):
+            raise ValueError(
+                f"The seq2seq decoder needs an `EncoderDecoderCache` as `cache`, got {type(cache).__name__}.")
+        past_seen = cache.self_attention_cache.get_seq_length() if cache is not None else 0
         validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen, prefix="decoder_",
                              vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
         if inputs_embeds is None:
@@ -548,12 +550,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
 
-        starts_own_cache = starts_cache(self, use_cache, past_key_values)  # (a user's dynamic cache keeps its layers)
+        starts_own_cache = starts_cache(self, use_cache, cache)  # (a user's dynamic cache keeps its layers)
         if starts_own_cache:
-            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        if past_key_values is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(past_key_values, in_place=starts_own_cache))
-        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        if cache is not None:  # DAT's layers: keys and values have their own head counts
+            check_cache(prepare_cache(cache, in_place=starts_own_cache))
+        self_cache = cache.self_attention_cache if cache is not None else None
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
                                                             past_seen, inputs_embeds.device, "decoder_position_ids")
 
@@ -584,7 +586,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:
                 layer_symbols = retrievers(i, hidden_states, position_ids)
             layer_source_symbols = None
-            if needs_source and not (past_key_values is not None and past_key_values.is_updated.get(i)):
+            if needs_source and not (cache is not None and cache.is_updated.get(i)):
                 # the source tokens' symbols (computed once per generation: they go to the cross-attention cache)
                 layer_source_symbols = retrievers(i, encoder_hidden_states, source_positions)
             hidden_states = layer(
@@ -596,11 +598,11 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 sensory_mask=masks[sensory_bias],
                 relational_mask=masks[relational_bias],
                 cross_mask=cross_mask,
-                past_key_values=past_key_values,
+                cache=cache,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return DATDecoderOutput(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return DATDecoderOutput(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
 
 @auto_docstring(
@@ -638,6 +640,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
 
     @can_return_tuple
     @auto_docstring
+    @takes_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -646,7 +649,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
         decoder_attention_mask: torch.Tensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         encoder_outputs: tuple | BaseModelOutput | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         decoder_inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
@@ -687,14 +690,14 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
             encoder_hidden_states=encoder_hidden,
             encoder_attention_mask=attention_mask,
             position_ids=decoder_position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             **kwargs,
         )
         return DATSeq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **cache_kwargs(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -749,13 +752,14 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
     def get_decoder(self):
         return self.model.decoder
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+    @takes_cache
+    def prepare_inputs_for_generation(self, input_ids, cache=None, **kwargs):
         # A compileable cache gets the decoder's masks built before the step (`create_masks_for_generate`), which
         # Transformers 5.17 does only when given a decoder padding mask: the decoder's tokens are all real, so give
         # it the all-ones one (a sliding-window static cache cannot have its masks built in a compiled step).
-        if getattr(past_key_values, "is_compileable", False) and kwargs.get("decoder_attention_mask") is None:
+        if getattr(cache, "is_compileable", False) and kwargs.get("decoder_attention_mask") is None:
             kwargs["decoder_attention_mask"] = torch.ones_like(input_ids)
-        return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+        return super().prepare_inputs_for_generation(input_ids, **cache_kwargs(cache), **kwargs)
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
         """Decoder inputs for `labels` (used by `DataCollatorForSeq2Seq`): labels shifted right behind
@@ -764,6 +768,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
 
     @can_return_tuple
     @auto_docstring
+    @takes_cache
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -772,7 +777,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         decoder_attention_mask: torch.Tensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         encoder_outputs: tuple | BaseModelOutput | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         decoder_inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -804,7 +809,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
             decoder_attention_mask=decoder_attention_mask,
             decoder_position_ids=decoder_position_ids,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
@@ -821,7 +826,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         return DATSeq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_kwargs(output_cache(outputs)),
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,

@@ -419,7 +419,10 @@ def worker_generate(args):
         start = time.perf_counter()
         out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              logits_processor=[clock], return_dict_in_generate=True, **kwargs)
-        cache_bytes[0] = _cache_bytes(out.past_key_values)
+        # (the cache's field: `cache` from Transformers 5.24, `past_key_values` before; a baseline checkout may
+        # predate dat_hf.transformers_compat)
+        cache = next(getattr(out, name) for name in ("cache", "past_key_values") if hasattr(out, name))
+        cache_bytes[0] = _cache_bytes(cache)
         return start, clock.times
 
     cache_bytes = [None]

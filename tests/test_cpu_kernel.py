@@ -32,6 +32,7 @@ from dat_hf.kernels import cpu_build
 from dat_hf.kernel_hooks import registered_kernels
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.relational_attention import eager_relational_attention
+from dat_hf.transformers_compat import output_cache
 
 
 def test_kernel_builds_on_this_machine():
@@ -541,7 +542,7 @@ def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
     with torch.no_grad():
         out = model(ids[:, :-1], use_cache=True)  # the prompt: 80 rows, one matrix product
         assert calls == []
-        step = model(ids[:, -1:], past_key_values=out.past_key_values).logits
+        step = model(ids[:, -1:], cache=output_cache(out)).logits
     assert calls == [(2, config.hidden_size)] * config.num_hidden_layers
     monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
     with torch.no_grad():

@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_config
 from dat_hf import DATConfig, DATForCausalLM, DATForSequenceClassification, DATModel
+from dat_hf.transformers_compat import output_cache
 
 # ---- configs ----------------------------------------------------------------------------------------------------
 
@@ -177,9 +178,9 @@ def test_sequence_longer_than_learned_positions():
 def test_cache_growing_past_learned_positions():
     model = make(position_embedding_type="learned", max_position_embeddings=8)
     out = model(ids(1, 6), use_cache=True)
-    out = model(ids(1, 2), past_key_values=out.past_key_values, use_cache=True)
+    out = model(ids(1, 2), cache=output_cache(out), use_cache=True)
     with pytest.raises(ValueError, match=r"out of range for the learned positions.*`max_position_embeddings` = 8"):
-        model(ids(1, 1), past_key_values=out.past_key_values, use_cache=True)
+        model(ids(1, 1), cache=output_cache(out), use_cache=True)
 
 
 def test_sequence_longer_than_positional_symbols():
@@ -205,7 +206,7 @@ def test_attention_mask_not_covering_cache():
     model = make()
     out = model(ids(1, 4), use_cache=True)
     with pytest.raises(ValueError, match=r"`attention_mask` must have shape \[batch, past \+ seq_len\] = \[1, 5\]"):
-        model(ids(1, 1), past_key_values=out.past_key_values, attention_mask=torch.ones(1, 1, dtype=torch.long))
+        model(ids(1, 1), cache=output_cache(out), attention_mask=torch.ones(1, 1, dtype=torch.long))
 
 
 def test_both_input_ids_and_inputs_embeds():
@@ -256,7 +257,7 @@ def test_graph_bias_with_cache():
     adjacency = torch.ones(1, 3, 3, dtype=torch.bool)
     out = model(ids(1, 3), graph_adjacency=adjacency, use_cache=True)
     with pytest.raises(ValueError, match=r"`graph` relational bias does not support a KV cache"):
-        model(ids(1, 1), past_key_values=out.past_key_values, graph_adjacency=torch.ones(1, 1, 1, dtype=torch.bool))
+        model(ids(1, 1), cache=output_cache(out), graph_adjacency=torch.ones(1, 1, 1, dtype=torch.bool))
 
 
 def test_sequence_classification_batch_without_pad_or_mask():

@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from dat_hf import DATForCausalLM, DATForSequenceClassification
 from dat_hf.cache_dat import InPlaceCacheLayer
+from dat_hf.transformers_compat import cache_kwargs, output_cache
 
 ATOL = 1e-5
 
@@ -94,16 +95,16 @@ def test_incremental_logits_match_full_forward(model):
     full = model(ids, use_cache=False).logits
     out = model(ids[:, :4], use_cache=True)
     torch.testing.assert_close(out.logits, full[:, :4], atol=ATOL, rtol=0)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert cache.get_seq_length() == 4
     for t in range(4, 7):  # one token at a time
-        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(ids[:, t : t + 1], cache=cache, use_cache=True)
         torch.testing.assert_close(out.logits[:, -1], full[:, t], atol=ATOL, rtol=0)
-        cache = out.past_key_values
+        cache = output_cache(out)
     # then a chunk of several tokens at once on top of the cache (causal mask with an offset)
-    out = model(ids[:, 7:10], past_key_values=cache, use_cache=True)
+    out = model(ids[:, 7:10], cache=cache, use_cache=True)
     torch.testing.assert_close(out.logits, full[:, 7:10], atol=ATOL, rtol=0)
-    assert out.past_key_values.get_seq_length() == 10
+    assert output_cache(out).get_seq_length() == 10
 
 
 @torch.no_grad()
@@ -112,11 +113,11 @@ def test_incremental_logits_with_attentions_match(model):
     ids = random_ids(1, 6)
     full = model(ids).logits
     out = model(ids[:, :3], use_cache=True, output_attentions=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     for t in range(3, 6):
-        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, output_attentions=True)
+        out = model(ids[:, t : t + 1], cache=cache, use_cache=True, output_attentions=True)
         torch.testing.assert_close(out.logits[:, -1], full[:, t], atol=ATOL, rtol=0)
-        cache = out.past_key_values
+        cache = output_cache(out)
         if out.attentions:  # over the cached tokens (a sliding-window layer keeps the window and the token)
             kept = t + 1 if model.config.layer_types[0] == "full_attention" else min(t + 1, model.config.sliding_window)
             assert out.attentions[0].shape[-2:] == (1, kept)
@@ -270,25 +271,25 @@ def test_generate_appends_in_place():
     model = DATForCausalLM(tiny_config(initializer_range=GEN_INIT)).eval()
     ids = random_ids(2, 5)
     out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert all(type(layer) is InPlaceCacheLayer for layer in cache.layers)
     for layer in cache.layers:
         assert layer._buffers[0].shape[-2] == 10  # max_length - 1 = 5 + 6 - 1 slots, allocated once
         assert layer.keys.data_ptr() == layer._buffers[0].data_ptr()
     mine = DynamicCache(config=model.config)
-    model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=mine)
+    model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(mine))
     assert all(type(layer) is DynamicLayer for layer in mine.layers)
     # a plain forward with use_cache=True starts an in-place cache too
-    assert all(type(layer) is InPlaceCacheLayer for layer in model(ids, use_cache=True).past_key_values.layers)
+    assert all(type(layer) is InPlaceCacheLayer for layer in output_cache(model(ids, use_cache=True)).layers)
 
 
 def test_training_forward_starts_no_cache():
     model = DATForCausalLM(tiny_config()).train()
     ids = random_ids(2, 5)
-    assert model(ids).past_key_values is None  # nothing would read it
+    assert output_cache(model(ids)) is None  # nothing would read it
     with torch.no_grad():
-        assert model(ids).past_key_values is not None
-    assert model.eval()(ids).past_key_values is not None
+        assert output_cache(model(ids)) is not None
+    assert output_cache(model.eval()(ids)) is not None
 
 
 @pytest.mark.parametrize("name", ["symbolic_rope", "relative_rope", "positional_learned"])

@@ -10,6 +10,7 @@ import torch
 
 import dat_hf
 from dat_hf.conversion import convert_checkpoint_folder, rope_permutation
+from dat_hf.transformers_compat import output_cache
 
 dual_attention = pytest.importorskip("dual_attention")  # the reference is a dev dependency
 from dual_attention.hf import DualAttnTransformerLM_HFHub  # noqa: E402
@@ -102,9 +103,9 @@ def test_parity_survives_save_and_cached_generation(tmp_path):
         expected = reference(x)[0]
         out = ours(x[:, :8], use_cache=True)
         steps = [out.logits]
-        cache = out.past_key_values
+        cache = output_cache(out)
         for t in range(8, 12):
-            out = ours(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = ours(x[:, t:t + 1], cache=cache, use_cache=True)
             steps.append(out.logits)
     assert (torch.cat(steps, 1) - expected).abs().max() < 1e-5
 

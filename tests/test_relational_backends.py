@@ -32,6 +32,7 @@ from dat_hf import (DATEncoderConfig, DATForCausalLM, DATForImageClassification,
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, eager_relational_attention
 from dat_hf.relational_attention_fused import flex_value_chunks
+from dat_hf.transformers_compat import output_cache
 
 
 # ---- the reference against the formula ---------------------------------------------------------------------------
@@ -278,8 +279,8 @@ def backends_used(model):
 
 def one_decoding_step(model, x):
     with torch.no_grad():
-        cache = model(x, use_cache=True).past_key_values
-        model(x[:, :1], past_key_values=cache)
+        cache = output_cache(model(x, use_cache=True))
+        model(x[:, :1], cache=cache)
 
 
 def test_selection():
@@ -362,10 +363,10 @@ def test_flex_attention_over_a_static_cache(bias):
         assert torch.equal(got.sequences, expected.sequences)
         assert_close(torch.stack(got.scores), torch.stack(expected.scores), atol=1e-5, what="static cache scores")
         cache = StaticCache(config=model.config, max_cache_len=16)
-        model(prompt, past_key_values=cache)
+        model(prompt, cache=cache)
         masks = model.create_masks_for_generate(model.config, torch.empty(2, 1, 0), torch.ones(2, 9, dtype=torch.long),
                                                 cache)
-        step = model(prompt[:, :1], attention_mask=masks, past_key_values=cache, position_ids=torch.full((2, 1), 8))
+        step = model(prompt[:, :1], attention_mask=masks, cache=cache, position_ids=torch.full((2, 1), 8))
         assert backends_used(model) == {"flex_attention"}
         assert_close(step.logits, full, atol=1e-5, what="a step with masks built ahead")
 
@@ -455,8 +456,8 @@ model(x, labels=x).loss.backward()
 relational = model.model.layers[0].dual_attn.relational
 training = relational.relational_attention_backend
 with torch.no_grad():
-    cache = model.eval()(x, use_cache=True).past_key_values
-    model(x[:, :1], past_key_values=cache)
+    cache = output_cache(model.eval()(x, use_cache=True))
+    model(x[:, :1], cache=cache)
 print(training, relational.relational_attention_backend, _STATE["tried"], "cpu" in RELATIONAL_ATTENTION_FUNCTIONS)
 """
     env = dict(os.environ, DAT_HF_CPU_KERNEL="0")
@@ -629,7 +630,7 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, bac
         full_cache = StaticCache(tiny_config(), max_cache_len=206) if cache == "static" else DynamicCache()
         out = model.generate(prompt, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                             past_key_values=full_cache)
+                             cache=full_cache)
         return out.sequences, torch.stack(out.logits)
 
     tokens, logits = generate()

@@ -29,6 +29,7 @@ from dat_hf import DATConfig, DATEncoderConfig, DATEncoderModel, DATForCausalLM,
 from dat_hf import masking_dat
 from dat_hf.dual_attention import DualAttention
 from dat_hf.modeling_dat import build_layer_masks
+from dat_hf.transformers_compat import output_cache
 
 SEEDS = [0, 1, 2]
 ATOL = 1e-5
@@ -509,9 +510,9 @@ def test_sliding_window_cached_generation(impl, case):
         for chunks in ([4] + [1] * 10, [5, 3, 1, 4, 1]):
             cache, start, parts = None, 0, []
             for size in chunks:
-                out = model(ids[:, start:start + size], attention_mask=mask[:, :start + size], past_key_values=cache,
+                out = model(ids[:, start:start + size], attention_mask=mask[:, :start + size], cache=cache,
                             use_cache=True)
-                cache, start = out.past_key_values, start + size
+                cache, start = output_cache(out), start + size
                 parts.append(out.logits)
             incremental = torch.cat(parts, dim=1)
             assert max_diff(incremental[0], full[0]) < ATOL
@@ -545,11 +546,11 @@ def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, enco
             return
         out = model(inputs_embeds=x[:, :1100], attention_mask=mask[:, :1100], use_cache=True)
         assert built[-1].window is not None  # the prompt into the empty cache went block by block too
-        cache, parts = out.past_key_values, [out.last_hidden_state]
+        cache, parts = output_cache(out), [out.last_hidden_state]
         for i in range(1100, n):
-            out = model(inputs_embeds=x[:, i:i + 1], attention_mask=mask[:, :i + 1], past_key_values=cache,
+            out = model(inputs_embeds=x[:, i:i + 1], attention_mask=mask[:, :i + 1], cache=cache,
                         use_cache=True)
-            cache = out.past_key_values
+            cache = output_cache(out)
             parts.append(out.last_hidden_state)
         incremental = torch.cat(parts, dim=1)
         assert max_diff(incremental[0], blockwise[0]) < ATOL and max_diff(incremental[1, 5:], blockwise[1, 5:]) < ATOL

@@ -17,6 +17,7 @@ from conftest import enable_checkpointing
 import dat_hf
 from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig, DATSeq2SeqModel
 from dat_hf.pipeline_text2text import TASK, DATText2TextPipeline
+from dat_hf.transformers_compat import output_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -200,12 +201,12 @@ def test_incremental_decoding_matches_full_forward(name):
         full = model(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
         encoder_outputs = model.get_encoder()(input_ids=x, attention_mask=mask)
         out = model(encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=y[:, :3], use_cache=True)
-        cache, steps = out.past_key_values, [out.logits]
+        cache, steps = output_cache(out), [out.logits]
         assert all(cache.is_updated[i] for i in range(model.config.num_hidden_layers))
         garbage = type(encoder_outputs)(last_hidden_state=torch.randn_like(encoder_outputs.last_hidden_state))
         for t in range(3, 7):
             out = model(encoder_outputs=garbage, attention_mask=mask, decoder_input_ids=y[:, t:t + 1],
-                        past_key_values=cache, use_cache=True)
+                        cache=cache, use_cache=True)
             steps.append(out.logits)
     assert (full - torch.cat(steps, dim=1)).abs().max().item() < 1e-4 * full.abs().max().item()
 
@@ -370,7 +371,7 @@ def test_config_aliases_and_cache_sizing():
     model = DATForSeq2SeqLM(config).eval()
     assert len(model.model.encoder.layers) == 3 and len(model.model.decoder.layers) == 5
     out = model(input_ids=torch.randint(3, 50, (1, 4)), decoder_input_ids=torch.full((1, 2), 2), use_cache=True)
-    assert len(out.past_key_values.self_attention_cache.layers) == 5
+    assert len(output_cache(out).self_attention_cache.layers) == 5
 
 
 # ---- pipeline ----------------------------------------------------------------------------------------------------------

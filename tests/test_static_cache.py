@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
 from dat_hf.cache_dat import DATStaticLayer, DATStaticSlidingWindowLayer
+from dat_hf.transformers_compat import output_cache
 
 LM_CASES = {
     "default": (dict(), False),
@@ -58,7 +59,7 @@ def greedy(model, prompt, mask, **kwargs):
     """(tokens, the logits of every step, the cache)."""
     out = model.generate(prompt, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                          pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences, torch.stack(out.logits), out.past_key_values
+    return out.sequences, torch.stack(out.logits), output_cache(out)
 
 
 def assert_same_generation(got, expected):
@@ -104,7 +105,7 @@ def test_seq2seq_static_cache_generation_equals_dynamic(window):
         got = model.generate(source, cache_implementation=implementation, **kwargs)
         assert_same_generation((got.sequences, torch.stack(got.logits)),
                                (expected.sequences, torch.stack(expected.logits)))
-        cache = got.past_key_values
+        cache = output_cache(got)
         sliding = window == "window-on-both"
         for layer in cache.self_attention_cache.layers:
             assert layer.is_sliding == sliding, implementation
@@ -276,13 +277,13 @@ def test_chunks_into_a_sliding_window_static_cache(symbols):
         expected = model(tokens).logits
         for size in (1, 1, 5, 1, 4, 1, 2):
             positions = torch.arange(start, start + size)[None].expand(2, -1)
-            logits.append(model(tokens[:, start:start + size], past_key_values=cache, position_ids=positions).logits)
+            logits.append(model(tokens[:, start:start + size], cache=cache, position_ids=positions).logits)
             start += size
     assert all(isinstance(layer, DATStaticSlidingWindowLayer) and layer.keys.shape[-2] == 6 for layer in cache.layers)
     torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
     cache.reset()  # and again from the start
     with torch.no_grad():
-        again = model(tokens[:, :9], past_key_values=cache).logits
+        again = model(tokens[:, :9], cache=cache).logits
     torch.testing.assert_close(again, expected[:, :9], atol=1e-5, rtol=0)
 
 
@@ -328,9 +329,9 @@ def test_a_users_static_cache():
     prompt, mask = prompt_and_mask(False)
     cache = StaticCache(config=model.config, max_cache_len=16)
     with torch.no_grad():
-        logits = model(prompt, past_key_values=cache).logits
+        logits = model(prompt, cache=cache).logits
         assert all(isinstance(layer, DATStaticLayer) for layer in cache.layers)
-        step = model(prompt[:, :1], past_key_values=cache, position_ids=torch.full((2, 1), 7)).logits
+        step = model(prompt[:, :1], cache=cache, position_ids=torch.full((2, 1), 7)).logits
         expected = model(torch.cat([prompt, prompt[:, :1]], 1)).logits
     torch.testing.assert_close(logits, expected[:, :7], atol=1e-5, rtol=0)
     torch.testing.assert_close(step[:, 0], expected[:, 7], atol=1e-5, rtol=0)
@@ -340,7 +341,7 @@ def test_a_users_static_cache():
     assert type(layer) is StaticLayer
     layer.lazy_initialization(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))  # as another model leaves it
     with pytest.raises(ValueError, match="filled by another model"):
-        model(prompt, past_key_values=foreign)
+        model(prompt, cache=foreign)
 
 
 def test_a_compiled_forward_over_a_sliding_window_static_cache(dynamo_counters):
@@ -351,19 +352,19 @@ def test_a_compiled_forward_over_a_sliding_window_static_cache(dynamo_counters):
     cache = StaticCache(config=model.config, max_cache_len=16)
     step = torch.compile(model.forward, fullgraph=True, backend="eager")
     with torch.no_grad():
-        model(prompt, past_key_values=cache)
+        model(prompt, cache=cache)
         token, padding = prompt[:, :1], torch.ones(2, 8, dtype=torch.long)
         masks = model.create_masks_for_generate(model.config, torch.empty(2, 1, 0), padding, cache)
-        logits = step(token, attention_mask=masks, past_key_values=cache, position_ids=torch.full((2, 1), 7)).logits
+        logits = step(token, attention_mask=masks, cache=cache, position_ids=torch.full((2, 1), 7)).logits
         expected = model(torch.cat([prompt, token], 1)).logits[:, -1:]
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
         with pytest.raises(Exception, match="built outside the compiled step"):
-            step(token, past_key_values=cache, position_ids=torch.full((2, 1), 8))
+            step(token, cache=cache, position_ids=torch.full((2, 1), 8))
         # several tokens in one compiled step (a compiled chunk of a chunked prefill): refused, saying what to do
         chunk, padding = prompt[:, :2], torch.ones(2, 10, dtype=torch.long)
         masks = model.create_masks_for_generate(model.config, torch.empty(2, 2, 0), padding, cache)
         with pytest.raises(Exception, match="prefill_chunk_size"):
-            step(chunk, attention_mask=masks, past_key_values=cache, position_ids=torch.tensor([[8, 9]] * 2))
+            step(chunk, attention_mask=masks, cache=cache, position_ids=torch.tensor([[8, 9]] * 2))
 
 
 def test_a_ring_steps_block_mask_is_its_dense_mask():

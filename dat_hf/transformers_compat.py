@@ -1,0 +1,87 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
+"""What differs between the Transformers releases dat_hf supports (setup.cfg: `transformers>=5.17,<6`), in one place.
+
+dat_hf's code follows the newest convention; this module maps it onto the installed release:
+
+- 5.24 renamed the cache `past_key_values` -> `cache`: in model forwards, in the inputs `generate()` hands the model
+  (and in `create_masks_for_generate`), in `masking_utils`' mask builders, in the fields of `ModelOutput`s and in
+  what `GradientCheckpointingLayer` drops while checkpointing. DAT's forwards take `cache` and accept
+  `past_key_values` as the same argument (what `generate()` passes before 5.24) without a warning; what dat_hf hands
+  to Transformers uses the installed release's name (`CACHE_NAME`).
+- 5.17 has no `transformers.modeling_utils.slice_logits_to_keep`; dat_hf's own follows its rules.
+"""
+
+import dataclasses
+import functools
+import re
+import textwrap
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# the installed release's name of the cache (argument and output field): "cache" from 5.24, else "past_key_values"
+CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+LEGACY_CACHE_NAME = "past_key_values"
+# the cache's names an output may carry (Trainer's `keys_to_ignore_at_inference`, accelerate's device placement)
+CACHE_NAMES = ["cache", "past_key_values"]
+
+
+# the `cache` argument as `auto_docstring` reads it (releases before 5.24 do not document it themselves)
+CACHE_ARG_DOC = """cache (`~cache_utils.Cache`, *optional*):
+    The cache of the tokens seen so far (keys, values, symbol values and relation keys of every layer), as returned
+    by an earlier forward with `use_cache=True`; the model returns it updated. Also accepted as `past_key_values`
+    (its name before Transformers 5.24)."""
+
+
+def takes_cache(function):
+    """For a forward written with a `cache` argument (the innermost decorator, under `auto_docstring`): also accept
+    `past_key_values=` (what `generate()` passes before Transformers 5.24, and what code written for those releases
+    passes; giving both is an error), and document `cache` in its docstring."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if LEGACY_CACHE_NAME in kwargs:
+            legacy = kwargs.pop(LEGACY_CACHE_NAME)
+            if kwargs.get("cache") is not None and legacy is not None:
+                raise ValueError("Pass the cache once, as `cache` (`past_key_values` is its former name), not both.")
+            if kwargs.get("cache") is None:
+                kwargs["cache"] = legacy
+        return function(*args, **kwargs)
+
+    doc = function.__doc__ or ""
+    indent = re.match(r"\n*( *)", doc).group(1) or " " * 8
+    wrapper.__doc__ = "\n" + textwrap.indent(CACHE_ARG_DOC, indent) + "\n" + doc.lstrip("\n")
+    return wrapper
+
+
+def cache_kwargs(cache) -> dict:
+    """`{name: cache}` under the installed release's name: for `masking_utils`' builders, `ModelOutput`s, and the
+    `model_kwargs` of `generate()`."""
+    return {CACHE_NAME: cache}
+
+
+def output_cache(outputs):
+    """The cache a `ModelOutput` (or `generate()`'s `model_kwargs` dict) carries, whatever the release calls it."""
+    if isinstance(outputs, dict):
+        return outputs.get(CACHE_NAME)
+    return getattr(outputs, CACHE_NAME, None)
+
+
+def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
+    last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
+    `[b, k]`, per-sample positions (`[b, k, d]`); a 2D boolean `[b, n]`, the True positions, flattened to
+    `[true, d]`. The rules of `transformers.modeling_utils.slice_logits_to_keep` (not in Transformers 5.17)."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden_states[:, logits_to_keep, :]
+
+
+__all__ = ["CACHE_ARG_DOC", "CACHE_NAME", "CACHE_NAMES", "cache_kwargs", "output_cache", "slice_logits_to_keep", "takes_cache"]
