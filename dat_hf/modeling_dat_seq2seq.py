@@ -752,8 +752,9 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
     def get_decoder(self):
         return self.model.decoder
 
-    @takes_cache
-    def prepare_inputs_for_generation(self, input_ids, cache=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, cache=None, past_key_values=None, **kwargs):
+        # (both names in the signature: `generate()` before Transformers 5.24 checks its kwargs against it)
+        cache = cache if cache is not None else past_key_values
         # A compileable cache gets the decoder's masks built before the step (`create_masks_for_generate`), which
         # Transformers 5.17 does only when given a decoder padding mask: the decoder's tokens are all real, so give
         # it the all-ones one (a sliding-window static cache cannot have its masks built in a compiled step).
