@@ -318,7 +318,8 @@ def authors_weights_file(folder) -> str:
     if os.path.isfile(path):
         return path
     pickles = sorted(f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)) if os.path.isdir(folder) else []
-    found = f"; it has {pickles}, pickled weights, which are never loaded (unpickling can run arbitrary code)" if pickles else ""
+    found = (f"; it has {pickles}, pickled weights, which are never loaded (unpickling can run arbitrary code)"
+             if pickles else "")
     raise ValueError(f"{folder} has no {AUTHORS_WEIGHTS_NAME}{found}: only safetensors checkpoints are converted.")
 
 
@@ -386,7 +387,8 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
 
 
 def convert_checkpoint_folder(input_dir, output_dir, dtype=None):
-    """Convert a folder in the authors' Hub format into a dat_hf folder (`load_authors_checkpoint` + `save_pretrained`)."""
+    """Convert a folder in the authors' Hub format into a dat_hf folder (`load_authors_checkpoint`, then
+    `save_pretrained`)."""
     model = load_authors_checkpoint(input_dir, dtype=dtype)
     model.save_pretrained(output_dir)
     return model
