@@ -35,6 +35,7 @@ from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .modeling_dat_seq2seq import DATForSeq2SeqLM, DATSeq2SeqModel, DATSeq2SeqPreTrainedModel
 from .pipeline_text2text import DATText2TextPipeline  # registers the `dat-text2text` pipeline task
 from .kernels import load_cpu_kernel  # registers the compiled backends (never imported by the model files)
+from .conversion import AuthorsCheckpointWarning, register_authors_format
 
 __version__ = "0.1.0"
 
@@ -73,6 +74,9 @@ DATSeq2SeqConfig.register_for_auto_class("AutoConfig")
 DATSeq2SeqModel.register_for_auto_class("AutoModel")
 DATForSeq2SeqLM.register_for_auto_class("AutoModelForSeq2SeqLM")
 
+# `AutoModelForCausalLM.from_pretrained` also loads the authors' `dual-attention` Hub checkpoints (converted on load)
+register_authors_format()
+
 
 def from_reference_model(module, **kwargs):
     """Convert a live `dual_attention` model into the matching dat_hf model (see `dat_hf.conversion`)."""
@@ -92,6 +96,7 @@ __all__ = [
     "DATForSequenceClassification",
     "DATPreTrainedModel",
     "from_reference_model",
+    "AuthorsCheckpointWarning",
     "DATVisionConfig",
     "DATVisionModel",
     "DATVisionPreTrainedModel",

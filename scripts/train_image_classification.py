@@ -42,7 +42,7 @@ from transformers.trainer_utils import SaveStrategy, SchedulerType
 
 import dat_hf
 from dat_hf import DATForImageClassification, DATImageProcessor, DATVisionConfig
-from dat_hf.training import load_metric, use_progress_lines
+from dat_hf.training import load_metric
 
 logger = logging.getLogger("train_image_classification")
 
@@ -268,7 +268,7 @@ def write_model_card(output_dir, model, metrics, model_args, data_args, training
         "",
         "| | |",
         "|---|---|",
-        f"| Parameters | {sum(p.numel() for p in model.parameters()):,} |",
+        f"| Parameters | {model.num_parameters():,} |",
         f"| Image / patch | {config.image_size} / {config.patch_size}, {config.num_channels} channel(s) |",
         f"| Layers x width | {config.num_hidden_layers} x {config.hidden_size} (MLP {config.intermediate_size}) |",
         f"| Heads per layer | {config.num_sensory_heads} sensory + {config.num_relational_heads} relational |",
@@ -323,7 +323,7 @@ def main(argv=None):
         processor = DATImageProcessor.from_model_config(
             config, image_mean=[data_args.image_mean] * num_channels, image_std=[data_args.image_std] * num_channels)
     logger.info("%s: %s parameters, %d sensory + %d relational heads", type(model).__name__,
-                f"{sum(p.numel() for p in model.parameters()):,}", model.config.num_sensory_heads,
+                f"{model.num_parameters():,}", model.config.num_sensory_heads,
                 model.config.num_relational_heads)
 
     def preprocess(batch):
@@ -349,7 +349,6 @@ def main(argv=None):
         compute_metrics=compute_metrics, processing_class=processor,
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )
-    use_progress_lines(trainer)  # with --disable_tqdm: one line per logging step instead of raw dicts
     metrics = {}
     train_seconds = 0.0
     if training_args.do_train:
@@ -359,7 +358,7 @@ def main(argv=None):
         metrics.update(result.metrics)
     metrics.update(trainer.evaluate())
     metrics.update(train_samples=len(train), eval_samples=len(evaluation), train_wall_seconds=round(train_seconds, 1),
-                   num_parameters=sum(p.numel() for p in model.parameters()),
+                   num_parameters=model.num_parameters(),
                    num_relational_heads=model.config.num_relational_heads)
     logger.info("eval accuracy %.4f after %.0f s of training", metrics.get("eval_accuracy", float("nan")), train_seconds)
     if training_args.should_save:

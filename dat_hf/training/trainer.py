@@ -5,22 +5,22 @@
   full under `<output_dir>/.staging/` and then renamed into place, so a run killed while saving never leaves a
   partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up. Under FSDP with sharded
   checkpoints, the final `save_model` still gathers a full `model.safetensors` (`FSDPModelSaveMixin`).
-- Perplexity: `token_nll` (a `preprocess_logits_for_metrics` that keeps per-token negative log-likelihoods instead of
-  `[batch, seq, vocab]` logits) and `make_compute_metrics` (the package's `metrics/perplexity` evaluate module).
-- Offline `evaluate` metric modules shipped in this package: `load_metric("perplexity" | "accuracy" | "exact_match")`.
+- Offline `evaluate` metric modules shipped in this package: `load_metric("accuracy" | "exact_match")`.
+
+What the libraries already do is left to them: parameter counts are `model.num_parameters()`, the newest checkpoint
+is `transformers.trainer_utils.get_last_checkpoint`, perplexity is `exp(eval_loss)` of `Trainer.evaluate` (as in
+Transformers' `run_clm.py`), progress is Trainer's own progress bar / `PrinterCallback`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import Trainer
 
@@ -87,17 +87,6 @@ def preset_metadata(name_or_path: str, config_dir: str | os.PathLike | None = No
         return {k[1:]: v for k, v in json.load(f).items() if k.startswith("_")}
 
 
-def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
-    """Number of (unique) parameters; tied weights count once, as in `model.num_parameters()`."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) in seen or (trainable_only and not p.requires_grad):
-            continue
-        seen.add(id(p))
-        total += p.numel()
-    return total
-
-
 def parameters_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter and buffer (name, dtype, shape, bytes), to compare replicas bit for bit."""
     digest = hashlib.sha256()
@@ -110,7 +99,7 @@ def parameters_digest(model: torch.nn.Module) -> str:
 
 # ---- atomic checkpoints --------------------------------------------------------------------------------------------
 class AtomicCheckpointMixin:
-    """Writes each `checkpoint-N` under `<run_dir>/.staging/checkpoint-N` (every process writes its part there),
+    """Kept because Trainer writes `checkpoint-N` in place (a killed save leaves a partial folder). Writes each `checkpoint-N` under `<run_dir>/.staging/checkpoint-N` (every process writes its part there),
     waits for all processes, then the saving process renames it to `<run_dir>/checkpoint-N` in one `os.replace`
     and rotates old checkpoints. The Trainer's own `_save_checkpoint` (model safetensors, optimizer, scheduler, RNG
     states, trainer state) is reused unchanged."""
@@ -156,7 +145,8 @@ class AtomicCheckpointMixin:
 
 
 class FSDPModelSaveMixin:
-    """Under FSDP, `save_model` writes the folder it writes without FSDP (full `model.safetensors`, config and
+    """Kept because `Trainer.save_model` (Transformers 5.24) saves nothing under FSDP's `SHARDED_STATE_DICT`; it only
+    calls Accelerate's full-state-dict gathering (`accelerator.get_state_dict`) for `FULL_STATE_DICT`. Under FSDP, `save_model` writes the folder it writes without FSDP (full `model.safetensors`, config and
     `auto_map` of the model's own class, remote code, tokenizer), which `from_pretrained` loads:
     - with `SHARDED_STATE_DICT`, `Trainer.save_model` writes nothing (checkpoints hold `torch.distributed.checkpoint`
       shards instead): outside checkpoints, the full state dict is gathered;
@@ -190,73 +180,21 @@ class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, Trainer
     under FSDP too (see `FSDPModelSaveMixin`)."""
 
 
-def resolve_resume_checkpoint(resume_from_checkpoint, output_dir: str):
-    """`None`/`False` -> None; `"last"`/`"auto"`/`True` -> the newest complete checkpoint in `output_dir` (None when
-    there is none, so the same command starts or resumes a run); a path -> that path (must exist)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if resume_from_checkpoint in (None, False, "", "false", "False", "none", "None"):
-        return None
-    if resume_from_checkpoint in (True, "last", "auto", "latest", "true", "True"):
-        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if not os.path.isdir(resume_from_checkpoint):
-        raise FileNotFoundError(f"`resume_from_checkpoint`={resume_from_checkpoint!r} is not a folder.")
-    return resume_from_checkpoint
-
-
-# ---- perplexity ----------------------------------------------------------------------------------------------------
-def token_nll(logits, labels):
-    """`preprocess_logits_for_metrics` for causal LMs: per-token negative log-likelihood `[b, n]` of the shifted
-    labels (NaN where the label is -100, and at the last position), so evaluation never stores the logits."""
-    if isinstance(logits, tuple):
-        logits = logits[0]
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    nll = torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1).clamp(min=0), reduction="none"
-    ).view_as(shift_labels)
-    nll = nll.masked_fill(shift_labels == -100, float("nan"))
-    return torch.nn.functional.pad(nll, (0, 1), value=float("nan"))
-
-
 def list_metrics() -> list[str]:
     """Names of the `evaluate` modules shipped in this package (`metrics/<name>/<name>.py`)."""
     return sorted(p.parent.name for p in METRICS_DIR.glob("*/*.py") if p.stem == p.parent.name)
 
 
 def load_metric(name: str, **kwargs):
-    """One of the package's `evaluate` modules (`perplexity`, `accuracy`, `exact_match`), loaded offline from its
-    folder, in memory by default (no cache files, so concurrent processes do not collide)."""
+    """One of the package's `evaluate` modules (`accuracy`, `exact_match`), loaded offline from its folder (kept
+    because `evaluate.load("accuracy")` needs the Hub), in memory by default (no cache files, so concurrent
+    processes do not collide)."""
     import evaluate
 
     if name not in list_metrics():
         raise ValueError(f"`name` must be one of {list_metrics()}, got {name!r}.")
     kwargs.setdefault("keep_in_memory", True)
     return evaluate.load(str(METRICS_DIR / name), **kwargs)
-
-
-def make_compute_metrics(metric=None):
-    """`compute_metrics` for `Trainer` with `preprocess_logits_for_metrics=token_nll`: corpus perplexity
-    (exp of the mean token NLL), the mean of per-block perplexities and the mean NLL, from the metric module."""
-    if metric is None:
-        metric = load_metric("perplexity")
-
-    def compute_metrics(eval_pred):
-        nll = eval_pred.predictions
-        nll = nll[0] if isinstance(nll, tuple) else nll
-        rows = [row[~np.isnan(row)].astype(np.float64).tolist() for row in np.asarray(nll)]
-        rows = [row for row in rows if row]
-        result = metric.compute(predictions=rows)
-        return {k: v for k, v in result.items() if isinstance(v, (int, float))}
-
-    return compute_metrics
-
-
-def perplexity_from_loss(loss: float) -> float:
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return float("inf")
 
 
 __all__ = [
@@ -267,15 +205,10 @@ __all__ = [
     "load_preset_config",
     "preset_metadata",
     "parse_config_overrides",
-    "count_parameters",
     "parameters_digest",
     "AtomicCheckpointMixin",
     "AtomicCheckpointTrainer",
     "FSDPModelSaveMixin",
-    "resolve_resume_checkpoint",
-    "token_nll",
     "list_metrics",
     "load_metric",
-    "make_compute_metrics",
-    "perplexity_from_loss",
 ]
