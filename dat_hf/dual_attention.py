@@ -26,7 +26,7 @@ from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv, select_relational_attention, symbol_rows)
-from .relational_attention_fused import flex_inputs
+from .relational_attention_fused import flex_attention_forward
 
 
 def rotate_half(x):
@@ -142,7 +142,7 @@ def _zero_isolated(mask: AttentionMask, out, weights):
 
 def _takes_block_mask(attention_interface) -> bool:
     """Whether an attention function is FlexAttention's, which takes the BlockMask and skips masked blocks itself."""
-    return attention_interface is ALL_ATTENTION_FUNCTIONS.get("flex_attention")
+    return attention_interface is flex_attention_forward
 
 
 class SensoryAttention(nn.Module):
@@ -177,8 +177,9 @@ class SensoryAttention(nn.Module):
         output_attentions = kwargs.get("output_attentions", False)
         attention_interface: Callable = eager_attention_forward
         if not output_attentions:  # fused kernels do not return weights
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                        eager_attention_forward)
+            attention_interface = (flex_attention_forward if self.config._attn_implementation == "flex_attention"
+                                   else ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                              eager_attention_forward))
         if mask.receiver_blocks is not None and not _takes_block_mask(attention_interface) and not output_attentions:
             # each block of receivers against the senders it may see (a sliding window, a block-sparse graph;
             # FlexAttention skips them with its BlockMask)
@@ -207,13 +208,8 @@ class SensoryAttention(nn.Module):
             key, value = key[:, :, :senders], value[:, :, :senders]
         if attention_interface is eager_attention_forward:
             attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
-        elif flex:  # (Transformers' FlexAttention adds a tensor mask to the scores: additive ones only)
+        elif flex:
             attention_mask = mask.block_mask if mask.block_mask is not None else mask.mask
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
-                raise ValueError("FlexAttention heads need their mask as a BlockMask or an additive float tensor, got "
-                                 "a bool tensor: build the masks with the model's config "
-                                 "(`attn_implementation='flex_attention'`).")
-            query, key, value = flex_inputs(query, key, value)
         else:  # (a BlockMask may be there for FlexAttention relational heads beside these sensory heads)
             attention_mask = mask.mask
         out, weights = attention_interface(
@@ -327,6 +323,8 @@ class RelationalAttention(nn.Module):
             key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
             if not self.relative_symbols:
                 symbol_values = symbol_values[:, :, :senders]
+            elif relative_position_index is not None:  # (a ring's rows of the table, one per slot)
+                relative_position_index = relative_position_index[..., :senders]
         messages, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
             self, query, key, symbol_values, relation_queries, relation_keys, mask, scaling=self.scaling,
             relation_scaling=self.relation_scaling, dropout=self.attention_dropout if self.training else 0.0,

@@ -22,6 +22,7 @@ in shared memory, `V` rounded up to a power of two, with tiles chosen for the qu
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
@@ -51,6 +52,47 @@ def flex_inputs(*tensors):
     return tuple(t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t for t in tensors)
 
 
+_compiled_flex = {}
+
+
+def _compiled_flex_attention(device_type: str):
+    """FlexAttention compiled once per process and device type; with static shapes on CPU, where PyTorch 2.13's
+    inductor miscompiles the C++ template for dynamic ones (a second shape made Dynamo compile a dynamic kernel that
+    failed to build, `'cur_kvSplitSize1' was not declared`, so a call's fate depended on what had run before).
+    Inside a compiled graph the plain function is traced into it."""
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if device_type not in _compiled_flex:
+        _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    return _compiled_flex[device_type]
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """FlexAttention for both head types. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`,
+    attention_mask a `BlockMask`, an additive float tensor `[b|1, 1, q, kv]` or None -> output `[b, q, h, d_v]`,
+    None (no weights). Receivers without any sender get zeros (FlexAttention's convention; the callers zero them)."""
+    if dropout > 0:
+        raise ValueError("FlexAttention has no attention dropout: use the model in eval mode, set "
+                         "`attention_dropout=0`, or choose another `attn_implementation`.")
+    block_mask, score_mod = None, None
+    if isinstance(attention_mask, BlockMask):
+        block_mask = attention_mask
+    elif attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            raise ValueError("FlexAttention heads need their mask as a BlockMask or an additive float tensor, got a "
+                             "bool tensor: build the masks with the model's config "
+                             "(`attn_implementation='flex_attention'`).")
+        additive = attention_mask[..., : key.shape[-2]]
+
+        def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            return score + additive[batch_idx if additive.shape[0] > 1 else 0, 0, q_idx, kv_idx]
+
+    query, key, value = flex_inputs(query, key, value)
+    out = _compiled_flex_attention(query.device.type)(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                                                       scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _fused_values_attention(interface: str, module, query, key, symbol_values, relation_queries, relation_keys,
                             mask, scaling, relation_scaling, dropout):
     b, h, q_len, d = query.shape
@@ -66,11 +108,9 @@ def _fused_values_attention(interface: str, module, query, key, symbol_values, r
         attention_mask = mask.mask
     else:
         attention_mask = mask.block_mask
-    attend = ALL_ATTENTION_FUNCTIONS[interface]
+    attend = ALL_ATTENTION_FUNCTIONS[interface] if interface == "sdpa" else flex_attention_forward
     widths = [value.shape[-1]] if interface == "sdpa" else flex_value_chunks(value.shape[-1], d, query.device.type)
     chunks = value.split(widths, dim=-1)
-    if interface == "flex_attention":
-        query, key, *chunks = flex_inputs(query, key, *chunks)
     outs = [attend(module, query, key, chunk, attention_mask, scaling=scaling, dropout=dropout,
                    is_causal=mask.is_causal)[0] for chunk in chunks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -98,4 +138,4 @@ def flex_relational_attention(module, query, key, symbol_values, relation_querie
     return messages, None, None
 
 
-__all__ = ["flex_inputs", "flex_relational_attention", "flex_value_chunks", "sdpa_relational_attention"]
+__all__ = ["flex_attention_forward", "flex_inputs", "flex_relational_attention", "flex_value_chunks", "sdpa_relational_attention"]

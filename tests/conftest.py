@@ -40,3 +40,28 @@ def enable_checkpointing(model):
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
+
+
+# ---- the differential fuzzer (tests/test_fuzz_attention.py) -------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-seed", type=int, default=None,
+                     help="replay one case of the differential fuzzer (the seed a failure printed); default: a fresh "
+                          "seed per run, printed in the header")
+    parser.addoption("--fuzz-cases", type=int, default=2000,
+                     help="random cases of the slow fuzz test (`-m slow`)")
+
+
+def pytest_configure(config):
+    import random
+
+    seed = config.getoption("--fuzz-seed", default=None)
+    config.fuzz_seed = seed if seed is not None else random.SystemRandom().randrange(10**6, 2**31)
+
+
+def pytest_report_header(config):
+    return f"fuzz seed: {config.fuzz_seed} (replay: pytest tests/test_fuzz_attention.py --fuzz-seed {config.fuzz_seed})"
+
+
+@pytest.fixture
+def fuzz_seed(request):
+    return request.config.fuzz_seed
