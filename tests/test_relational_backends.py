@@ -210,15 +210,6 @@ def run_case(backend, case, dtype=torch.float64, grad=True):
     return module64, module, inputs64, inputs, mask, call, output_attentions
 
 
-@pytest.fixture(autouse=True)
-def flex_compiles_static_shapes(request, monkeypatch):
-    """FlexAttention cases compile for static shapes: PyTorch 2.13's inductor cannot compile FlexAttention's CPU
-    decoding kernel for dynamic ones (`'cur_kvSplitSize5' was not declared`), which Dynamo turns to once the compiled
-    FlexAttention has seen another shape (e.g. in tests/test_relational_biases.py run before this file)."""
-    if "flex" in request.node.name:
-        monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-
-
 BACKENDS = ["eager", "sdpa", "flex_attention", "cpu"]
 BACKENDS += ["triton"] if "triton" in RELATIONAL_ATTENTION_FUNCTIONS else []  # registered when triton imports
 
@@ -407,13 +398,13 @@ def test_flex_attention_in_value_chunks_matches_reference(case, monkeypatch):
     (queries 6 wide, rounded up), each FlexAttention call gets one chunk, and the messages equal the reference."""
     monkeypatch.setattr(relational_attention_fused, "WHOLE_VALUE_DEVICES", frozenset())
     monkeypatch.setattr(relational_attention_fused, "FLEX_VALUE_CHUNK", 4)
-    flex, widths = ALL_ATTENTION_FUNCTIONS["flex_attention"], []
+    flex, widths = relational_attention_fused.flex_attention_forward, []
 
     def counted(module, query, key, value, *args, **kwargs):
         widths.append(value.shape[-1])
         return flex(module, query, key, value, *args, **kwargs)
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", counted)
+    monkeypatch.setattr(relational_attention_fused, "flex_attention_forward", counted)
     module64, module, inputs64, inputs, mask, call, _ = run_case("flex_attention", case, torch.float32, grad=False)
     assert RELATIONAL_ATTENTION_FUNCTIONS["flex_attention"].supports(call) is None
     expected = eager_relational_attention(module64, *inputs64, mask, SCALING, RELATION_SCALING)[0]
