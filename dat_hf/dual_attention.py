@@ -73,9 +73,11 @@ def _is_plain_linear(module) -> bool:
 def fused_linear(linears, x):
     """`cat([linear(x) for linear in linears], -1)` as one matrix product over the concatenated weights (one GEMM
     forward, one per gradient backward, instead of one per projection). Wrapped projections (PEFT adapters, hooks such
-    as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one.
-    x `[..., d]` -> `[..., sum of out_features]`."""
-    if x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS and all(map(_is_plain_linear, linears)):
+    as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one (not while
+    `torch.export` traces: the choice would fix the exported program's batch and length). x `[..., d]` -> `[...,
+    sum of out_features]`."""
+    long = torch.compiler.is_exporting() or x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS
+    if long and all(map(_is_plain_linear, linears)):
         weight = torch.cat([linear.weight for linear in linears])
         bias = None
         if any(linear.bias is not None for linear in linears):

@@ -233,10 +233,12 @@ RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attent
 
 def _candidates(attn_implementation: str | None, call: RelationalCall) -> list[str]:
     """Backends in the order automatic selection tries them. Decoding steps (one receiver per row) skip the fused
-    values: the explicit step reads each cached relation key once, fused values would copy them for every head."""
+    values: the explicit step reads each cached relation key once, fused values would copy them for every head.
+    While `torch.export` traces, only the PyTorch backends (an exported program holds no compiled op of dat_hf's)."""
     if attn_implementation == "eager":
         return ["eager"]
-    compiled = [name for name, backend in RELATIONAL_ATTENTION_FUNCTIONS.items() if call.device in backend.preferred_on]
+    compiled = [name for name, backend in RELATIONAL_ATTENTION_FUNCTIONS.items() if call.device in backend.preferred_on
+                and not torch.compiler.is_exporting()]
     if call.query_length == 1:
         return compiled + ["eager"]
     first = ["flex_attention"] if attn_implementation == "flex_attention" else []

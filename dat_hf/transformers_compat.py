@@ -18,9 +18,15 @@ import dataclasses
 import functools
 import re
 import textwrap
+import warnings
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# the oldest and newest Transformers releases the suite ran on (constraints/floor.txt, constraints/tested.txt)
+TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
 
 # the installed release's name of the cache (argument and output field): "cache" from 5.24, else "past_key_values"
 CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
@@ -70,6 +76,23 @@ def output_cache(outputs):
     return getattr(outputs, CACHE_NAME, None)
 
 
+class UntestedTransformersWarning(UserWarning):
+    """The installed Transformers is newer than the newest release dat_hf was tested with."""
+
+
+def warn_if_untested_transformers(installed: str = transformers.__version__) -> bool:
+    """Warn (once: `import dat_hf` calls it) when the installed Transformers is newer than `TESTED_TRANSFORMERS`
+    says; -> whether it warned. Older ones are refused by setup.cfg's floor."""
+    oldest, newest = TESTED_TRANSFORMERS
+    if Version(installed).release <= Version(newest).release:
+        return False
+    warnings.warn(
+        f"dat_hf was tested with transformers {oldest} to {newest}; {installed} is newer and untested. If generation, "
+        f"caching or training misbehaves, install a tested release: pip install 'transformers>={oldest},<={newest}'.",
+        UntestedTransformersWarning, stacklevel=3)
+    return True
+
+
 def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
     last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
@@ -84,4 +107,5 @@ def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torc
     return hidden_states[:, logits_to_keep, :]
 
 
-__all__ = ["CACHE_ARG_DOC", "CACHE_NAME", "CACHE_NAMES", "cache_kwargs", "output_cache", "slice_logits_to_keep", "takes_cache"]
+__all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs", "output_cache",
+           "slice_logits_to_keep", "takes_cache", "warn_if_untested_transformers"]

@@ -40,3 +40,11 @@ def enable_checkpointing(model):
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
+
+
+def set_torch_config(monkeypatch, config_module, name: str, value):
+    """Set a knob of one of torch's private config modules (`torch._dynamo.config`, `torch._inductor.config`) for one
+    test, where the installed torch has it: such knobs work around a torch release's bugs and may be gone in later
+    releases (which pip may resolve), where the test then runs without the workaround instead of erroring."""
+    if hasattr(config_module, name):
+        monkeypatch.setattr(config_module, name, value)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import set_torch_config, tiny_config
 from relational_cases import (RELATION_SCALING, SCALING, Heads, additive_from_bool, assert_close, causal_and,
                               make_inputs, random_bool_mask, right_padding)
 from torch.nn.attention.flex_attention import create_block_mask
@@ -216,7 +216,7 @@ def flex_compiles_static_shapes(request, monkeypatch):
     decoding kernel for dynamic ones (`'cur_kvSplitSize5' was not declared`), which Dynamo turns to once the compiled
     FlexAttention has seen another shape (e.g. in tests/test_relational_biases.py run before this file)."""
     if "flex" in request.node.name:
-        monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+        set_torch_config(monkeypatch, torch._dynamo.config, "automatic_dynamic_shapes", False)
 
 
 BACKENDS = ["eager", "sdpa", "flex_attention", "cpu"]

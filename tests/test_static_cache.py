@@ -20,7 +20,7 @@
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import set_torch_config, tiny_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import get_first_incompatible_cudagraph_node
 from transformers import CompileConfig, StaticCache
@@ -198,7 +198,7 @@ def test_inductor_compiled_flex_attention_decoding_on_cpu(monkeypatch):
     its buffer's beginning from the buffer's start (the sensory heads' slice of the cache would read the relational
     heads' keys; `relational_attention_fused.flex_inputs` hands it copies): the logits of SDPA without a compiled step.
     (Inductor cannot fuse the ops after that template, so this compiles with `epilogue_fusion` off.)"""
-    monkeypatch.setattr(torch._inductor.config, "epilogue_fusion", False)
+    set_torch_config(monkeypatch, torch._inductor.config, "epilogue_fusion", False)
     model, prompt, mask = tiny_model_and_prompt(*LM_CASES["gqa-left-padded"])
     expected = greedy(model, prompt, mask)
     model.set_attn_implementation("flex_attention")
