@@ -9,8 +9,9 @@ dat_hf's code follows the newest convention; this module maps it onto the instal
 - 5.24 renamed the cache `past_key_values` -> `cache`: in model forwards, in the inputs `generate()` hands the model
   (and in `create_masks_for_generate`), in `masking_utils`' mask builders, in the fields of `ModelOutput`s and in
   what `GradientCheckpointingLayer` drops while checkpointing. DAT's forwards take `cache` and accept
-  `past_key_values` as the same argument (what `generate()` passes before 5.24) without a warning; what dat_hf hands
-  to Transformers uses the installed release's name (`CACHE_NAME`).
+  `past_key_values` as the same argument (what `generate()` passes before 5.24: silently there, with a
+  `FutureWarning` from 5.24 on, like Transformers' models); what dat_hf hands to Transformers uses the installed
+  release's name (`CACHE_NAME`).
 - 5.17 has no `transformers.modeling_utils.slice_logits_to_keep`; dat_hf's own follows its rules.
 """
 
@@ -39,17 +40,20 @@ CACHE_NAMES = ["cache", "past_key_values"]
 CACHE_ARG_DOC = """cache (`~cache_utils.Cache`, *optional*):
     The cache of the tokens seen so far (keys, values, symbol values and relation keys of every layer), as returned
     by an earlier forward with `use_cache=True`; the model returns it updated. Also accepted as `past_key_values`
-    (its name before Transformers 5.24)."""
+    (its name before Transformers 5.24, deprecated since)."""
 
 
 def takes_cache(function):
     """For a forward written with a `cache` argument (the innermost decorator, under `auto_docstring`): also accept
-    `past_key_values=` (what `generate()` passes before Transformers 5.24, and what code written for those releases
-    passes; giving both is an error), and document `cache` in its docstring."""
+    `past_key_values=` (what `generate()` passes before Transformers 5.24, silently there; from 5.24 on, a
+    `FutureWarning`, as Transformers' own models give; giving both is an error), and document `cache`."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if LEGACY_CACHE_NAME in kwargs:
+            if CACHE_NAME == "cache":
+                warnings.warn("`past_key_values` is deprecated since Transformers 5.24: pass the cache as `cache`.",
+                              FutureWarning, stacklevel=2)
             legacy = kwargs.pop(LEGACY_CACHE_NAME)
             if kwargs.get("cache") is not None and legacy is not None:
                 raise ValueError("Pass the cache once, as `cache` (`past_key_values` is its former name), not both.")
