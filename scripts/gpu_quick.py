@@ -418,7 +418,7 @@ def step_backends(out: Path) -> None:
     s = settings()
     runs = []
     for seq in s["backends"]["seqs"]:
-        for backend, attn in (("flex_attention", "flex_attention"), ("sdpa", "sdpa")):
+        for backend, attn in (("sdpa", "sdpa"), ("flex_attention", "flex_attention")):  # (flex compiles: last)
             runs.append((f"{backend} {seq}", "dat_hf", train_argv(s, "--relational-backend", backend, "--attn", attn),
                          seq))
     if s["device"] == "cpu":  # (the dry run) FlexAttention has no backward on CPU in PyTorch: nothing to train
