@@ -361,6 +361,17 @@ def _cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _cache_tokens(last_step) -> dict:
+    """{"cache_tokens": the tokens the cache held after the last decoding step} (prompt + new tokens - 1 when the
+    model used the cache `generate` gave it), or {} without a recorded step. A model that ignores the cache it is
+    given (e.g. one reading another argument name than the one `generate` passes) still decodes, wrongly and fast."""
+    if not last_step:
+        return {}
+    kwargs = last_step["inputs"][1]
+    cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    return {"cache_tokens": None if cache is None else cache.get_seq_length()}
+
+
 def _compile_counts():
     """Graphs Dynamo compiled and graphs inductor ran without CUDA graphs (on CUDA: an op or input they cannot hold;
     every graph on CPU), so far in this process."""
@@ -454,7 +465,8 @@ def worker_generate(args):
                       "forward_ms_per_token": None if forward is None else 1000 * forward,
                       "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
                       "cache_mib": None if cache_bytes[0] is None else cache_bytes[0] / 2**20,
-                      "relational_backend": relational_backend(model), **compiled, **device.record()}))
+                      "relational_backend": relational_backend(model), **compiled, **_cache_tokens(last_step),
+                      **device.record()}))
 
 
 def run_worker(mode, impl, args, **extra):
