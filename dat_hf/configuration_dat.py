@@ -9,6 +9,9 @@ feed-forward, norms, positions) and validates them at construction; `DATConfig` 
 config (`model_type="dat"`). Vision and seq2seq configs subclass `DualAttentionConfig` too.
 """
 
+import dataclasses
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils import auto_docstring
@@ -36,8 +39,40 @@ def _check_positive(name, value, allow_none=False):
 
 
 def _check_probability(name, value):
-    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0):
         raise ValueError(f"`{name}` must be a probability in [0, 1), got {value!r}.")
+
+
+def _check_float_fields(config):
+    """Every field annotated `float` holds a finite number (or None where the annotation allows it): NaN and
+    infinities are refused with the field's name (a NaN scale would otherwise give NaN logits silently)."""
+    for field in dataclasses.fields(config):
+        annotation = str(field.type)
+        if "float" not in annotation:
+            continue
+        value = getattr(config, field.name, None)
+        if value is None and "None" in annotation:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
+
+
+# the ranges of the float fields (besides the probabilities): name -> (lowest, highest, lowest included)
+FLOAT_RANGES = {
+    "symbolic_attention_scale": (0.0, 1e6, False),
+    "norm_eps": (0.0, 1.0, False),
+    "rope_theta": (0.0, 1e12, False),
+    "initializer_range": (0.0, 10.0, True),
+}
+
+
+def _check_ranges(config):
+    for name, (low, high, closed) in FLOAT_RANGES.items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not ((low <= value if closed else low < value) and value <= high):
+            raise ValueError(f"`{name}` must be in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}.")
 
 
 # The fields every DAT config shares, in the format `auto_docstring` reads (each config's `__doc__` starts with them;
@@ -268,15 +303,13 @@ class DualAttentionConfig(PreTrainedConfig):
             _check_positive(name, getattr(self, name), allow_none=True)
         for name in ("attention_dropout", "hidden_dropout", "embedding_dropout", "symbol_dropout"):
             _check_probability(name, getattr(self, name))
+        _check_float_fields(self)
+        _check_ranges(self)
         _check_choice("symbol_retrieval", self.symbol_retrieval, SYMBOL_RETRIEVALS)
         _check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         _check_choice("norm_type", self.norm_type, NORM_TYPES)
         _check_choice("relation_activation", self.relation_activation, RELATION_ACTIVATIONS)
         _check_choice("hidden_act", self.hidden_act, MLP_ACTIVATIONS)
-        if not self.norm_eps > 0:
-            raise ValueError(f"`norm_eps` must be positive, got {self.norm_eps!r}.")
-        if not self.rope_theta > 0:
-            raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta!r}.")
 
         n_heads = self.num_sensory_heads + self.num_relational_heads
         if n_heads == 0:

@@ -292,12 +292,22 @@ def convert_checkpoint_folder(input_dir, output_dir, dtype=None):
 
     from dual_attention.language_models import DualAttnTransformerLM, TransformerLM
 
-    with open(os.path.join(input_dir, "config.json")) as f:
+    from .checkpoint_bounds import check_against_checkpoint, check_layer_count, read_safetensors_header
+
+    config_path = os.path.join(input_dir, "config.json")
+    with open(config_path) as f:
         kwargs = json.load(f)
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{config_path} must hold a JSON object of constructor arguments.")
     weights = os.path.join(input_dir, "model.safetensors")
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{weights} not found: only safetensors checkpoints are converted.")
     reference_cls = DualAttnTransformerLM if "n_heads_ra" in kwargs else TransformerLM
+    # the untrusted config is bounded by the checkpoint's header (names, shapes; no tensor read) before anything is
+    # built: the layer count first, then every shape of the model built on the meta device
+    shapes = read_safetensors_header(weights)
+    check_layer_count("n_layers", kwargs.get("n_layers"), shapes, r"(?:^|\.)blocks\.(\d+)\.", weights)
+    check_against_checkpoint(kwargs, lambda config: reference_cls(**config), shapes, weights, layers_checked=True)
     reference = reference_cls(**kwargs)
     missing, unexpected = load_model(reference, weights, strict=False)
     missing = [k for k in missing if not k.endswith(("freqs_cos", "freqs_sin"))]
