@@ -159,6 +159,8 @@ def check_against_checkpoint(config, build_model, shapes, source, check_shapes=T
     with torch.device("meta"):
         model = build_model(config)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    # buffers outside the state dict (e.g. precomputed RoPE tables) are allocated too: bounded with what is missing
+    extra = {name: tuple(buffer.shape) for name, buffer in model.named_buffers() if name not in expected}
     prefix = getattr(model, "base_model_prefix", "") or ""
 
     def counterpart(name):  # the checkpoint may be saved with or without the base model's prefix
@@ -181,7 +183,7 @@ def check_against_checkpoint(config, build_model, shapes, source, check_shapes=T
                 f"but {list(expected[ours])} from the config"
                 f"{f' ({fields})' if fields else ''}; fix config.json to the checkpoint's sizes.")
     checkpoint_elements = sum(math.prod(shape) for shape in shapes.values())
-    missing = {name: shape for name, shape in expected.items() if name not in matched}
+    missing = {name: shape for name, shape in expected.items() if name not in matched} | extra
     missing_elements = sum(math.prod(shape) for shape in missing.values())
     if missing_elements > checkpoint_elements + MISSING_ALLOWANCE:
         largest = sorted(missing.items(), key=lambda item: -math.prod(item[1]))[:3]

@@ -57,6 +57,15 @@ def _check_float_fields(config):
             raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
 
 
+MAX_LAYERS = 10_000  # beyond any real model; a config.json asking for more is refused before anything is built
+
+
+def _check_layers(name, value):
+    _check_positive(name, value)
+    if value > MAX_LAYERS:
+        raise ValueError(f"`{name}` must be at most {MAX_LAYERS}, got {value!r}.")
+
+
 # the ranges of the float fields (besides the probabilities): name -> (lowest, highest, lowest included)
 FLOAT_RANGES = {
     "symbolic_attention_scale": (0.0, 1e6, False),
@@ -294,6 +303,7 @@ class DualAttentionConfig(PreTrainedConfig):
         for name in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "symbolic_attention_heads",
                      "num_symbols", "max_relative_position", "intermediate_size"):
             _check_positive(name, getattr(self, name))
+        _check_layers("num_hidden_layers", self.num_hidden_layers)
         for name in ("num_sensory_heads", "num_relational_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
