@@ -141,24 +141,35 @@ def _wait_for_switch(directory) -> float:
 
 def load_consistently(directory, load):
     """`load()` (a `from_pretrained` of the folder) such that it returns one save's model, never a mix of two: it
-    waits while a save is switching the folder's files, then loads, and loads again when the model files changed
-    during the load (a save committed meanwhile; at most READ_ATTEMPTS times). Logs (warning) when the model returned
-    is a save that committed while loading."""
+    waits while a save is switching the folder's files, loads, and when the model files changed during the load (a
+    save committed meanwhile) loads again holding the folder's save lock (waiting at most READ_WAIT_SECONDS for a
+    running save to finish; no save switches files while it is held). Logs (warning) which model it returned when a
+    save interfered. RuntimeError after READ_ATTEMPTS tries."""
     directory = os.path.abspath(os.fspath(directory))
     for attempt in range(1, READ_ATTEMPTS + 1):
+        if attempt > 1:
+            try:
+                with _locked(directory, timeout=READ_WAIT_SECONDS):
+                    if os.path.lexists(os.path.join(directory, JOURNAL)):
+                        repair(directory)  # a writer that died mid-switch (a live one would hold the lock)
+                    result = load()
+                logger.warning("dat_hf: a save into %s committed while it was being loaded; loaded it again after "
+                               "that save, holding the folder's save lock: this is the newest saved model.", directory)
+                return result
+            except OSError as error:
+                if "has held its lock" not in str(error):
+                    raise
+                continue  # a long save holds the lock: try again without it
         waited = _wait_for_switch(directory)
         before = _files_state(directory)
         result = load()
         if _files_state(directory) == before and not any(name == JOURNAL for name, *_ in before):
-            if attempt > 1:
-                logger.warning("dat_hf: a save into %s committed while it was being loaded; loaded again (attempt %d): "
-                               "this is the new model.", directory, attempt)
-            elif waited > 0.05:
+            if waited > 0.05:
                 logger.warning("dat_hf: waited %.2f s for a save into %s to commit; this is the new model.", waited,
                                directory)
             return result
-    raise RuntimeError(f"Saves into {directory} changed its files during each of {READ_ATTEMPTS} loads; load it when "
-                       "no save is running.")
+    raise RuntimeError(f"Saves into {directory} changed its files during each of {READ_ATTEMPTS} loads and held its "
+                       f"lock for more than {READ_WAIT_SECONDS:g} s each time; load it when no save is running.")
 
 
 # ---- one save -------------------------------------------------------------------------------------------------------
@@ -188,7 +199,7 @@ def _journal_folder(directory, journal, key):
     """The staging or backup folder a journal names, refusing a symbolic link (never followed out of the folder)."""
     path = os.path.join(directory, journal[key])
     if os.path.islink(path):
-        raise OSError(f"{path} is a symbolic link where the interrupted save into {directory} keeps its "
+        raise ValueError(f"{path} is a symbolic link where the interrupted save into {directory} keeps its "
                       f"{'staged files' if key == 'staging' else 'backup of the previous model'}; dat_hf does not "
                       f"follow it. Remove the link and put back the folder it replaced, or delete {path} and "
                       f"{os.path.join(directory, JOURNAL)} to keep the folder's files as they are.")
@@ -240,7 +251,7 @@ def _locked(directory, timeout=None):
                     if time.monotonic() > deadline:
                         raise OSError(f"a save into {directory} has held its lock for more than {timeout:g} s") \
                             from None
-                    time.sleep(0.05)
+                    time.sleep(0.001)  # short: a writer saving in a loop frees the lock only between its saves
         yield
     finally:
         os.close(fd)  # releases the lock

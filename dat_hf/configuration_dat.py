@@ -9,8 +9,10 @@ feed-forward, norms, positions) and validates them at construction; `DATConfig` 
 config (`model_type="dat"`). Vision and seq2seq configs subclass `DualAttentionConfig` too.
 """
 
+import copy
 import dataclasses
 import math
+import weakref
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
@@ -55,6 +57,17 @@ def _check_float_fields(config):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
+
+
+# config object id -> (the dict it was built from, the keyword arguments of `from_dict`): lets `from_pretrained`
+# see that a config read by AutoConfig is older than the folder's config.json (a save committed in between)
+_SOURCES: dict[int, tuple[dict, dict]] = {}
+
+
+def config_source(config):
+    """(config dict, `from_dict` kwargs) the config was built from by `from_dict` (AutoConfig, from_pretrained), or
+    None."""
+    return _SOURCES.get(id(config))
 
 
 MAX_LAYERS = 10_000  # beyond any real model; a config.json asking for more is refused before anything is built
@@ -228,6 +241,15 @@ class DualAttentionConfig(PreTrainedConfig):
 
     # biases a model of this config accepts (causal LMs narrow it to CAUSAL_BIASES)
     allowed_relational_biases = RELATIONAL_BIASES
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        source = (copy.deepcopy(config_dict), dict(kwargs))
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result
+        _SOURCES[id(config)] = source
+        weakref.finalize(config, _SOURCES.pop, id(config), None)
+        return result
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
