@@ -363,6 +363,8 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
 
     from safetensors.torch import load_model
 
+    from .checkpoint_bounds import check_layer_count, read_safetensors_header
+
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         kwargs = json.load(f)
     name = authors_lm_class_name(kwargs)
@@ -370,6 +372,9 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
         raise ValueError(f"{folder}/config.json is not the authors' language-model format (constructor kwargs of "
                          f"DualAttnTransformerLM or TransformerLM, with {sorted(AUTHORS_LM_KEYS)}).")
     weights_path = weights_path or authors_weights_file(folder)
+    # the untrusted config is bounded by the checkpoint's header (no tensor read) before even a meta model is built
+    check_layer_count("n_layers", kwargs.get("n_layers"), read_safetensors_header(weights_path),
+                      r"(?:^|\.)blocks\.(\d+)\.", weights_path)
     reference_cls = _reference_lm_class(name)
     try:
         with torch.device("meta"):
