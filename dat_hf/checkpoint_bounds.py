@@ -33,6 +33,15 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0
 LAYER = re.compile(r"^(.*?)layers\.(\d+)\.")
 # new tensors (absent from the checkpoint) may add this many elements beyond the checkpoint's own
 MISSING_ALLOWANCE = 1 << 26
+# a config may ask for this many layers beyond the checkpoint's (initialized on load, as Transformers does for any
+# missing weight: a model grown in depth, a checkpoint missing its weights); more is not this checkpoint's model, and
+# is refused before even the meta-device model is built
+LAYER_SLACK = 64
+
+
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """The config asks for shapes the checkpoint does not hold: a `ValueError` naming the field, and a `RuntimeError`
+    as Transformers raises for mismatched sizes (`ignore_mismatched_sizes=True` loads them re-initialized)."""
 
 
 def read_safetensors_header(path) -> dict[str, tuple[int, ...]]:
@@ -110,8 +119,8 @@ def _layer_counts(names) -> dict[str, int]:
 
 
 def check_layer_counts(config, shapes, source):
-    """The config's layer counts must not exceed the checkpoint's (before the model, `num_hidden_layers` deep, is
-    built at all)."""
+    """The config's layer counts must not exceed the checkpoint's by more than `LAYER_SLACK` (checked before the
+    model, `num_hidden_layers` deep, is built at all)."""
     stacks = _layer_counts(shapes)
     if hasattr(config, "encoder_layers"):  # seq2seq: `...encoder.layers.<i>` and the decoder's
         fields = {"encoder_layers": lambda p: "encoder" in p, "num_hidden_layers": lambda p: "encoder" not in p}
@@ -120,7 +129,7 @@ def check_layer_counts(config, shapes, source):
     for field, belongs in fields.items():
         value = getattr(config, field, None)
         held = sum(count for prefix, count in stacks.items() if belongs(prefix))
-        if isinstance(value, int) and value > held:
+        if isinstance(value, int) and value > held + LAYER_SLACK:
             where = ", ".join(f"{prefix}layers.0-{count - 1}" for prefix, count in stacks.items() if belongs(prefix))
             raise ValueError(f"`{field}` is {value} in the config, but the checkpoint {source} holds {held} layers"
                              f"{f' ({where})' if where else ''}: the config does not match the checkpoint.")
@@ -153,7 +162,8 @@ def _fields_of(config, pairs) -> str:
 def check_against_checkpoint(config, build_model, shapes, source, check_shapes=True, layers_checked=False):
     """Check `config` (a config, or a dict of constructor kwargs) against a checkpoint's {name: shape} (see the
     module docstring); `build_model(config)` builds the model class (it is called on the meta device, after the
-    layer counts are checked, unless `layers_checked`). ValueError naming the field and the checkpoint's value."""
+    layer counts are checked, unless `layers_checked`). ValueError naming the field and the checkpoint's value.
+    Returns the model built on the meta device (nothing allocated), for further checks."""
     if not layers_checked:
         check_layer_counts(config, shapes, source)
     with torch.device("meta"):
@@ -178,7 +188,7 @@ def check_against_checkpoint(config, build_model, shapes, source, check_shapes=T
         if check_shapes and expected[ours] != shape:
             differing = [(a, b) for a, b in zip(expected[ours], shape) if a != b]
             fields = _fields_of(config, differing or [(a, None) for a in expected[ours]])
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"The config does not match the checkpoint {source}: tensor `{name}` is {list(shape)} in the checkpoint "
                 f"but {list(expected[ours])} from the config"
                 f"{f' ({fields})' if fields else ''}; fix config.json to the checkpoint's sizes.")
@@ -192,6 +202,7 @@ def check_against_checkpoint(config, build_model, shapes, source, check_shapes=T
             f"The config asks for {missing_elements:,} parameters that the checkpoint {source} does not hold (it holds "
             f"{checkpoint_elements:,} in all), e.g. " + ", ".join(f"`{n}` {list(s)}" for n, s in largest)
             + f"{f' ({fields})' if fields else ''}: the config does not match the checkpoint.")
+    return model
 
 
 def check_layer_count(field, value, shapes, pattern, source):
@@ -205,5 +216,5 @@ def check_layer_count(field, value, shapes, pattern, source):
                          "the config does not match the checkpoint.")
 
 
-__all__ = ["read_safetensors_header", "local_checkpoint_index", "check_layer_counts", "check_layer_count",
-           "check_against_checkpoint"]
+__all__ = ["CheckpointMismatchError", "read_safetensors_header", "local_checkpoint_index", "check_layer_counts",
+           "check_layer_count", "check_against_checkpoint"]

@@ -336,8 +336,11 @@ def _guard_check(model, inputs, calls=2000):
         code = forward.__code__
         cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ())))
         names = code.co_varnames  # (self, then the wrapper's *args and **kwargs)
-        f_locals = {names[0]: model, names[code.co_argcount]: inputs[0], names[code.co_argcount + 1]: inputs[1],
-                    **cells}
+        if code.co_argcount == 0:  # a wrapper of (*args, **kwargs) alone, self among the args (`deprecate_kwarg`)
+            f_locals = {names[0]: (model, *inputs[0]), names[1]: inputs[1], **cells}
+        else:
+            f_locals = {names[0]: model, names[code.co_argcount]: inputs[0], names[code.co_argcount + 1]: inputs[1],
+                        **cells}
         with torch.no_grad():  # (grad mode is guarded; generate decodes without gradients)
             guards = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)
                       if entry.guard_manager.check(f_locals)]
@@ -369,7 +372,7 @@ def _cache_tokens(last_step) -> dict:
         return {}
     kwargs = last_step["inputs"][1]
     cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
-    return {"cache_tokens": None if cache is None else cache.get_seq_length()}
+    return {"cache_tokens": None if cache is None else int(cache.get_seq_length())}  # (a static cache: a tensor)
 
 
 def _compile_counts():

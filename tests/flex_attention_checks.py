@@ -153,14 +153,14 @@ def test_greedy_generation_equals_eager():
     assert backends(models[1]) == {"flex_attention"}
 
 
-def test_compiled_static_cache_decoding_equals_eager(monkeypatch):
+def test_compiled_static_cache_decoding_equals_eager(request):
     """Every head on FlexAttention, greedy decoding over a static cache compiled as one graph (`CompileConfig`, with
     CUDA graphs on CUDA; the BlockMasks are made inside the step, the keys are head slices of the cache): the tokens
     and logits of the eager model without a cache."""
     from transformers import CompileConfig
 
     if DEVICE.type == "cpu":  # (inductor's C++ FlexAttention template takes no fused epilogue)
-        set_torch_config(monkeypatch, torch._inductor.config, "epilogue_fusion", False)
+        set_torch_config(request, torch._inductor.config, "epilogue_fusion", False)
     eager, flex = (model.eval() for model in pair(DATForCausalLM, lambda: DATConfig(
         **dict(BASE, num_sensory_key_value_heads=1, relational_attn_implementation="flex_attention"))))
     eager.config.relational_attn_implementation = "eager"

@@ -211,12 +211,12 @@ def run_case(backend, case, dtype=torch.float64, grad=True):
 
 
 @pytest.fixture(autouse=True)
-def flex_compiles_static_shapes(request, monkeypatch):
+def flex_compiles_static_shapes(request):
     """FlexAttention cases compile for static shapes: PyTorch 2.13's inductor cannot compile FlexAttention's CPU
     decoding kernel for dynamic ones (`'cur_kvSplitSize5' was not declared`), which Dynamo turns to once the compiled
     FlexAttention has seen another shape (e.g. in tests/test_relational_biases.py run before this file)."""
     if "flex" in request.node.name:
-        set_torch_config(monkeypatch, torch._dynamo.config, "automatic_dynamic_shapes", False)
+        set_torch_config(request, torch._dynamo.config, "automatic_dynamic_shapes", False)
 
 
 BACKENDS = ["eager", "sdpa", "flex_attention", "cpu"]
@@ -448,6 +448,7 @@ def test_without_the_cpu_kernel_the_pytorch_backends_run():
 import torch, dat_hf
 from dat_hf.kernels.cpu_build import _STATE
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
+from dat_hf.transformers_compat import output_cache
 from dat_hf import DATConfig, DATForCausalLM
 model = DATForCausalLM(DATConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_sensory_heads=2,
                                  num_relational_heads=2, num_symbols=8, symbolic_attention_heads=2))
