@@ -36,8 +36,11 @@ from .modeling_dat_seq2seq import DATForSeq2SeqLM, DATSeq2SeqModel, DATSeq2SeqPr
 from .pipeline_text2text import DATText2TextPipeline  # registers the `dat-text2text` pipeline task
 from .kernels import load_cpu_kernel  # registers the compiled backends (never imported by the model files)
 from .conversion import AuthorsCheckpointWarning, register_authors_format
+from .transformers_compat import TESTED_TRANSFORMERS, UntestedTransformersWarning, warn_if_untested_transformers
 
 __version__ = "0.1.0"
+
+warn_if_untested_transformers()  # (a release newer than the newest tested one: once, naming the tested range)
 
 AutoConfig.register("dat", DATConfig, exist_ok=True)
 AutoModel.register(DATConfig, DATModel, exist_ok=True)
@@ -97,6 +100,8 @@ __all__ = [
     "DATPreTrainedModel",
     "from_reference_model",
     "AuthorsCheckpointWarning",
+    "TESTED_TRANSFORMERS",
+    "UntestedTransformersWarning",
     "DATVisionConfig",
     "DATVisionModel",
     "DATVisionPreTrainedModel",

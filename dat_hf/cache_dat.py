@@ -222,6 +222,9 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
             cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
     elif isinstance(cache, StaticCache):
         for i, layer in enumerate(cache.layers):
+            if type(layer) in (StaticLayer, StaticSlidingWindowLayer) and _initialized_ahead(layer):
+                layer = type(layer)(layer.max_cache_len, **({"sliding_window": layer.max_cache_len}
+                                                         if type(layer) is StaticSlidingWindowLayer else {}))
             if type(layer) is StaticLayer and not layer.is_initialized:
                 cache.layers[i] = DATStaticLayer(layer.max_cache_len)
             elif type(layer) is StaticSlidingWindowLayer and not layer.is_initialized:
@@ -229,6 +232,15 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
                                    else DATStaticSlidingWindowLayer(layer.max_cache_len,
                                                                     sliding_window=layer.max_cache_len))
     return cache
+
+
+def _initialized_ahead(layer) -> bool:
+    """Whether a Transformers static layer was initialized ahead (`early_initialization`: one shape for keys and
+    values) and holds no token yet: DAT sizes it again. Not while compiling or exporting (the layer's tensors may be
+    buffers of the traced module: see `dat_hf.export` for exporting with a cache)."""
+    if not layer.is_initialized or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    return int(layer.cumulative_length) == 0
 
 
 def check_cache(cache: Cache) -> None:
@@ -240,9 +252,10 @@ def check_cache(cache: Cache) -> None:
             if isinstance(layer, StaticLayer) and not isinstance(layer, DATStaticLayer):
                 raise ValueError(
                     f"This cache's {type(layer).__name__}s were filled by another model, or initialized ahead with one "
-                    "shape for keys and values (`early_initialization`, as Transformers' ExecuTorch export wrapper "
-                    "does): DAT caches need their own layers (keys and values with different head counts, sized at "
-                    "their first update); pass a fresh cache."
+                    "shape for keys and values while exporting: DAT caches need their own layers (keys and values "
+                    "with different head counts, sized at their first update); pass a fresh cache. To export with a "
+                    "static cache (Transformers' `TorchExportableModuleForDecoderOnlyLM`), use "
+                    "`dat_hf.export.DATExportableModuleForDecoderOnlyLM`."
                 )
 
 

@@ -9,6 +9,11 @@ feed-forward, norms, positions) and validates them at construction; `DATConfig` 
 config (`model_type="dat"`). Vision and seq2seq configs subclass `DualAttentionConfig` too.
 """
 
+import copy
+import dataclasses
+import math
+import weakref
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils import auto_docstring
@@ -36,8 +41,60 @@ def _check_positive(name, value, allow_none=False):
 
 
 def _check_probability(name, value):
-    if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0):
         raise ValueError(f"`{name}` must be a probability in [0, 1), got {value!r}.")
+
+
+def _check_float_fields(config):
+    """Every field annotated `float` holds a finite number (or None where the annotation allows it): NaN and
+    infinities are refused with the field's name (a NaN scale would otherwise give NaN logits silently)."""
+    for field in dataclasses.fields(config):
+        annotation = str(field.type)
+        if "float" not in annotation:
+            continue
+        value = getattr(config, field.name, None)
+        if value is None and "None" in annotation:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
+
+
+# config object id -> (the dict it was built from, the keyword arguments of `from_dict`): lets `from_pretrained`
+# see that a config read by AutoConfig is older than the folder's config.json (a save committed in between)
+_SOURCES: dict[int, tuple[dict, dict]] = {}
+
+
+def config_source(config):
+    """(config dict, `from_dict` kwargs) the config was built from by `from_dict` (AutoConfig, from_pretrained), or
+    None."""
+    return _SOURCES.get(id(config))
+
+
+MAX_LAYERS = 10_000  # beyond any real model; a config.json asking for more is refused before anything is built
+
+
+def _check_layers(name, value):
+    _check_positive(name, value)
+    if value > MAX_LAYERS:
+        raise ValueError(f"`{name}` must be at most {MAX_LAYERS}, got {value!r}.")
+
+
+# the ranges of the float fields (besides the probabilities): name -> (lowest, highest, lowest included)
+FLOAT_RANGES = {
+    "symbolic_attention_scale": (0.0, 1e6, False),
+    "norm_eps": (0.0, 1.0, False),
+    "rope_theta": (0.0, 1e12, False),
+    "initializer_range": (0.0, 10.0, True),
+}
+
+
+def _check_ranges(config):
+    for name, (low, high, closed) in FLOAT_RANGES.items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not ((low <= value if closed else low < value) and value <= high):
+            raise ValueError(f"`{name}` must be in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}.")
 
 
 # The fields every DAT config shares, in the format `auto_docstring` reads (each config's `__doc__` starts with them;
@@ -185,6 +242,15 @@ class DualAttentionConfig(PreTrainedConfig):
     # biases a model of this config accepts (causal LMs narrow it to CAUSAL_BIASES)
     allowed_relational_biases = RELATIONAL_BIASES
 
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        source = (copy.deepcopy(config_dict), dict(kwargs))
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result
+        _SOURCES[id(config)] = source
+        weakref.finalize(config, _SOURCES.pop, id(config), None)
+        return result
+
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
             # the reference's default: 4d, or 2/3 of it for the gated swiglu
@@ -259,6 +325,7 @@ class DualAttentionConfig(PreTrainedConfig):
         for name in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "symbolic_attention_heads",
                      "num_symbols", "max_relative_position", "intermediate_size"):
             _check_positive(name, getattr(self, name))
+        _check_layers("num_hidden_layers", self.num_hidden_layers)
         for name in ("num_sensory_heads", "num_relational_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -268,15 +335,13 @@ class DualAttentionConfig(PreTrainedConfig):
             _check_positive(name, getattr(self, name), allow_none=True)
         for name in ("attention_dropout", "hidden_dropout", "embedding_dropout", "symbol_dropout"):
             _check_probability(name, getattr(self, name))
+        _check_float_fields(self)
+        _check_ranges(self)
         _check_choice("symbol_retrieval", self.symbol_retrieval, SYMBOL_RETRIEVALS)
         _check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         _check_choice("norm_type", self.norm_type, NORM_TYPES)
         _check_choice("relation_activation", self.relation_activation, RELATION_ACTIVATIONS)
         _check_choice("hidden_act", self.hidden_act, MLP_ACTIVATIONS)
-        if not self.norm_eps > 0:
-            raise ValueError(f"`norm_eps` must be positive, got {self.norm_eps!r}.")
-        if not self.rope_theta > 0:
-            raise ValueError(f"`rope_theta` must be positive, got {self.rope_theta!r}.")
 
         n_heads = self.num_sensory_heads + self.num_relational_heads
         if n_heads == 0:

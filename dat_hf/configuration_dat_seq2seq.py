@@ -20,6 +20,7 @@ from .configuration_dat import (
     RELATIONAL_BIASES,
     DualAttentionConfig,
     _check_choice,
+    _check_layers,
     _check_positive,
 )
 
@@ -168,7 +169,7 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     def validate_seq2seq(self):
         """Raise a ValueError naming the field for every invalid seq2seq value or combination."""
         _check_positive("vocab_size", self.vocab_size)
-        _check_positive("encoder_layers", self.encoder_layers)
+        _check_layers("encoder_layers", self.encoder_layers)
         _check_positive("encoder_vocab_size", self.encoder_vocab_size, allow_none=True)
         _check_positive("encoder_max_position_embeddings", self.encoder_max_position_embeddings, allow_none=True)
         if self.encoder_position_embedding_type is not None:

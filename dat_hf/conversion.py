@@ -363,6 +363,8 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
 
     from safetensors.torch import load_model
 
+    from .checkpoint_bounds import check_against_checkpoint, check_layer_count, read_safetensors_header
+
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         kwargs = json.load(f)
     name = authors_lm_class_name(kwargs)
@@ -371,9 +373,14 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
                          f"DualAttnTransformerLM or TransformerLM, with {sorted(AUTHORS_LM_KEYS)}).")
     weights_path = weights_path or authors_weights_file(folder)
     reference_cls = _reference_lm_class(name)
+    # the untrusted config is bounded by the checkpoint's header (no tensor read): the layer count before even a meta
+    # model is built, then each shape (naming the config field) and what the checkpoint lacks (buffers such as RoPE
+    # tables), then the names, tied names and dtypes
+    shapes = read_safetensors_header(weights_path)
+    check_layer_count("n_layers", kwargs.get("n_layers"), shapes, r"(?:^|\.)blocks\.(\d+)\.", weights_path)
     try:
-        with torch.device("meta"):
-            skeleton = reference_cls(**kwargs)
+        skeleton = check_against_checkpoint(kwargs, lambda config: reference_cls(**config), shapes, weights_path,
+                                            layers_checked=True)
     except TypeError as error:
         raise ValueError(f"{folder}/config.json does not build a {name}: {error}") from error
     stored_dtype = check_authors_weights(skeleton, weights_path)

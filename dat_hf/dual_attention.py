@@ -24,9 +24,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_dat import query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
+<<<<<<< HEAD
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv, select_relational_attention, symbol_rows)
 from .relational_attention_fused import flex_attention_forward
+=======
+from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, attend_with_fallback, per_head_symbols,
+                                   relational_messages, relational_weights, repeat_kv, select_relational_attention,
+                                   symbol_rows)
+from .relational_attention_fused import flex_inputs
+>>>>>>> main
 
 
 def rotate_half(x):
@@ -73,9 +80,11 @@ def _is_plain_linear(module) -> bool:
 def fused_linear(linears, x):
     """`cat([linear(x) for linear in linears], -1)` as one matrix product over the concatenated weights (one GEMM
     forward, one per gradient backward, instead of one per projection). Wrapped projections (PEFT adapters, hooks such
-    as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one.
-    x `[..., d]` -> `[..., sum of out_features]`."""
-    if x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS and all(map(_is_plain_linear, linears)):
+    as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one (not while
+    `torch.export` traces: the choice would fix the exported program's batch and length). x `[..., d]` -> `[...,
+    sum of out_features]`."""
+    long = torch.compiler.is_exporting() or x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS
+    if long and all(map(_is_plain_linear, linears)):
         weight = torch.cat([linear.weight for linear in linears])
         bias = None
         if any(linear.bias is not None for linear in linears):
@@ -225,9 +234,10 @@ class RelationalAttention(nn.Module):
     `forward` takes the attention query `[b, h, q, d_h]` and key `[b, h_kv, kv, d_h]` (RoPE applied), symbol values
     (`[b|1, h_kv, kv, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols; see
     `project_symbols`), relation queries `[b, q, R, d_r]` and relation keys `[b, kv, R, d_r]` (`DualAttention`
-    projects them all), runs the backend that `select_relational_attention` picks and projects: -> output
-    `[b, q, h * d_h]`, attention weights `[b, h, q, kv]` and relations `[b, R, q, kv]` (both only when
-    `output_attentions`). The backend of the last call is `relational_attention_backend`.
+    projects them all), runs the backend that `select_relational_attention` picks (the next one if its kernel fails:
+    `attend_with_fallback`) and projects: -> output `[b, q, h * d_h]`, attention weights `[b, h, q, kv]` and
+    relations `[b, R, q, kv]` (both only when `output_attentions`). The backend of the last call is
+    `relational_attention_backend`.
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -275,24 +285,25 @@ class RelationalAttention(nn.Module):
         each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid);
         `query_offset`: the cache index of the first receiver (default `kv - q`)."""
         output_attentions = kwargs.get("output_attentions", False)
-        backend = select_relational_attention(self, query, mask, output_attentions)
-        takes_window = mask.window is not None and RELATIONAL_ATTENTION_FUNCTIONS[backend].takes_sliding_window
-        if mask.receiver_blocks is not None and backend != "flex_attention" and not (
-                output_attentions or self.relative_symbols or takes_window):
-            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph), unless
-            # the backend takes the sliding window itself (one call over the whole sequence)
-            def attend_block(block, receivers, senders):
-                (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
-                return self._attend(backend, query_part, key_part, symbol_part, relation_query_part,
-                                    relation_key_part, block)[0]
 
-            messages = mask.by_receiver_blocks(attend_block, [(query, 2), (relation_queries, 1)],
-                                               [(key, 2), (symbol_values, 2), (relation_keys, 1)])
-            weights = relations = None
-        else:
-            messages, weights, relations = self._attend(backend, query, key, symbol_values, relation_queries,
-                                                        relation_keys, mask, output_attentions,
-                                                        relative_position_index, query_offset)
+        def attend(backend):  # (run by `attend_with_fallback`: again with the next backend if a kernel fails)
+            takes_window = mask.window is not None and RELATIONAL_ATTENTION_FUNCTIONS[backend].takes_sliding_window
+            if mask.receiver_blocks is not None and backend != "flex_attention" and not (
+                    output_attentions or self.relative_symbols or takes_window):
+                # each block of receivers against the senders it may see (a sliding window, a block-sparse graph),
+                # unless the backend takes the sliding window itself (one call over the whole sequence)
+                def attend_block(block, receivers, senders):
+                    (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
+                    return self._attend(backend, query_part, key_part, symbol_part, relation_query_part,
+                                        relation_key_part, block)[0]
+
+                messages = mask.by_receiver_blocks(attend_block, [(query, 2), (relation_queries, 1)],
+                                                   [(key, 2), (symbol_values, 2), (relation_keys, 1)])
+                return messages, None, None
+            return self._attend(backend, query, key, symbol_values, relation_queries, relation_keys, mask,
+                                output_attentions, relative_position_index, query_offset)
+
+        messages, weights, relations = attend_with_fallback(self, query, mask, output_attentions, attend)
         return self.o_proj(messages.reshape(*messages.shape[:2], -1)), weights, relations
 
     def attention_weights(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,

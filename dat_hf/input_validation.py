@@ -93,7 +93,8 @@ def check_padding_mask(name: str, mask, shape: tuple, dims: str):
     that `generate` builds for compiled steps pass."""
     if mask is None or isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
         return
-    shape = tuple(int(size) for size in shape)  # (a static cache counts its length in a tensor)
+    # (a static cache counts its length in a tensor; symbolic sizes stay symbolic: `torch.export` keeps them dynamic)
+    shape = tuple(int(size) if isinstance(size, torch.Tensor) else size for size in shape)
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != shape:
         received = _shape(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"`{name}` must have shape {dims} = {list(shape)} (1 = token, 0 = padding), got {received}.")

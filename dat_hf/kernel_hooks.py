@@ -7,13 +7,16 @@
 `@replaceable("name")` marks a PyTorch function of the model files (the reference: RoPE, the MLP's activation and
 down projection); `register_kernel("name", function, accepts)` (called by `dat_hf.kernels` when `dat_hf` is
 imported) adds an implementation for the inputs where `accepts(*args)` is true. A call runs the first registered
-implementation that accepts its inputs, else the reference. This is Transformers' `use_kernel_func_from_hub` idea,
+implementation that accepts its inputs, else the reference (always the reference while `torch.export` traces: an
+exported program, ONNX or ExecuTorch, holds no compiled op of dat_hf's). This is Transformers' `use_kernel_func_from_hub` idea,
 local and without downloads: a model loaded as Hub remote code, without `dat_hf`, runs the references.
 Relational attention has its own registry of named backends (`relational_attention.py`).
 """
 
 import functools
 from collections.abc import Callable
+
+import torch
 
 _KERNELS: dict[str, list[tuple[Callable, Callable[..., bool]]]] = {}
 
@@ -36,6 +39,8 @@ def replaceable(name: str):
     def decorator(reference: Callable) -> Callable:
         @functools.wraps(reference)
         def dispatch(*args, **kwargs):
+            if torch.compiler.is_exporting():
+                return reference(*args, **kwargs)
             for function, accepts in _KERNELS.get(name, ()):
                 if accepts(*args, **kwargs):
                     return function(*args, **kwargs)

@@ -11,12 +11,14 @@ A DAT layer (pre-norm shown; post-norm is supported):
     x  += MLP(norm2(x))
 """
 
+import contextvars
 import os
 from dataclasses import dataclass
 from functools import wraps
 
 import torch
 from torch import nn
+from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -30,12 +32,13 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
+from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .atomic_save import finish_interrupted_save, save_atomically
-from .configuration_dat import DATConfig, DATEncoderConfig
+from .atomic_save import finish_interrupted_save, load_consistently, save_atomically
+from .checkpoint_bounds import check_against_checkpoint, local_checkpoint_index
+from .configuration_dat import DATConfig, DATEncoderConfig, config_source
 from .cache_dat import check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import replaceable
@@ -254,6 +257,12 @@ def fsdp2_original_class(model):
     return type(model).__mro__[type(model)._orig_cls_mro_index]
 
 
+logger = logging.get_logger(__name__)
+
+# (checkpoint index, its file, whether shapes must match) of the local folder `from_pretrained` is loading
+_PENDING_CHECKPOINT = contextvars.ContextVar("dat_hf_pending_checkpoint", default=None)
+
+
 @auto_docstring
 class DATPreTrainedModel(PreTrainedModel):
     config: DATConfig
@@ -339,10 +348,47 @@ class DATPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, after completing or undoing an interrupted save in a local folder."""
+        """`PreTrainedModel.from_pretrained`; for a local folder, after completing or undoing an interrupted save,
+        with the config checked against the checkpoint's tensor index before the model is built
+        (`checkpoint_bounds`), and loading again if a save commits during the load (`atomic_save.load_consistently`)."""
+        folder = None
         if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
-            finish_interrupted_save(os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or ""))
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            folder = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+            finish_interrupted_save(folder)
+        if folder is None or not os.path.isdir(folder) or kwargs.get("gguf_file") or kwargs.get("state_dict"):
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+        def load():
+            call_kwargs = dict(kwargs)
+            source = config_source(kwargs.get("config"))
+            if source is not None and os.path.isfile(os.path.join(folder, "config.json")):
+                # a config read (by AutoConfig) before a save committed would pair the old config with new weights
+                now, _ = PreTrainedConfig.get_config_dict(folder)
+                if now != source[0]:
+                    logger.warning("dat_hf: %s changed after it was read (a save committed in between); read it "
+                                   "again: this is the new model's config.", os.path.join(folder, "config.json"))
+                    config = type(kwargs["config"]).from_dict(now, **source[1])
+                    call_kwargs["config"] = config[0] if isinstance(config, tuple) else config
+            index = local_checkpoint_index(folder, kwargs.get("variant"))
+            token = _PENDING_CHECKPOINT.set(None if index is None else
+                                            [*index, not kwargs.get("ignore_mismatched_sizes", False)])
+            try:
+                return super(DATPreTrainedModel, cls).from_pretrained(pretrained_model_name_or_path, *args,
+                                                                      **call_kwargs)
+            finally:
+                _PENDING_CHECKPOINT.reset(token)
+
+        return load_consistently(folder, load)
+
+    def __new__(cls, *args, **kwargs):
+        # in `from_pretrained` of a local folder: the config is checked against the checkpoint before the model
+        # (its __init__) is built (once, for the outermost model; the check builds the model on the meta device)
+        pending = _PENDING_CHECKPOINT.get()
+        if pending is not None and args and isinstance(args[0], PreTrainedConfig):
+            _PENDING_CHECKPOINT.set(None)
+            shapes, source, check_shapes = pending
+            check_against_checkpoint(args[0], cls, shapes, source, check_shapes=check_shapes)
+        return super().__new__(cls)
 
     # trf-ignore: TRF018 (every parameter of the family is initialised here; nothing is left to the base class)
     @torch.no_grad()

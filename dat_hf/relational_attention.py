@@ -16,9 +16,13 @@ Every backend has the signature of `eager_relational_attention`: it takes what `
 None). Backends are chosen by `select_relational_attention`: `config.relational_attn_implementation` when set (an
 unsupported call then raises), else the fastest registered backend that supports the call (compiled kernels that
 `dat_hf.kernels` registers for their device, then `config._attn_implementation`'s own, then `eager`).
+A backend whose kernel fails to compile or launch raises `RelationalBackendUnavailable`; `attend_with_fallback` then
+marks it unavailable on that device type for the rest of the process, warns once naming the error and runs the next
+backend, unless the backend was requested by `relational_attn_implementation` (the error is raised).
 """
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -210,9 +214,19 @@ def _supports_flex(call: RelationalCall) -> str | None:
     return None
 
 
+class RelationalBackendUnavailable(RuntimeError):
+    """A backend's kernel failed to compile or launch on a device (raised by the backend, naming the error): automatic
+    selection falls back to the next backend; a backend requested by `relational_attn_implementation` raises it."""
+
+
 class RelationalAttentionInterface(dict):
     """Named relational attention backends (`eager`, `sdpa`, `flex_attention`, and compiled ones registered by
-    `dat_hf.kernels`), like Transformers' `ALL_ATTENTION_FUNCTIONS`."""
+    `dat_hf.kernels`), like Transformers' `ALL_ATTENTION_FUNCTIONS`. `unavailable` maps (backend, device type) to the
+    error that took the backend out of automatic selection on that device type (clear it to try again)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.unavailable: dict[tuple[str, str], str] = {}
 
     def register(self, name: str, function: Callable, supports: Callable[[RelationalCall], str | None],
                  preferred_on: tuple[str, ...] = (), takes_sliding_window: bool = False) -> None:
@@ -233,14 +247,17 @@ RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attent
 
 def _candidates(attn_implementation: str | None, call: RelationalCall) -> list[str]:
     """Backends in the order automatic selection tries them. Decoding steps (one receiver per row) skip the fused
-    values: the explicit step reads each cached relation key once, fused values would copy them for every head."""
+    values: the explicit step reads each cached relation key once, fused values would copy them for every head.
+    While `torch.export` traces, only the PyTorch backends (an exported program holds no compiled op of dat_hf's)."""
     if attn_implementation == "eager":
         return ["eager"]
-    compiled = [name for name, backend in RELATIONAL_ATTENTION_FUNCTIONS.items() if call.device in backend.preferred_on]
+    compiled = [name for name, backend in RELATIONAL_ATTENTION_FUNCTIONS.items() if call.device in backend.preferred_on
+                and not torch.compiler.is_exporting()]
     if call.query_length == 1:
-        return compiled + ["eager"]
-    first = ["flex_attention"] if attn_implementation == "flex_attention" else []
-    return first + compiled + ["sdpa", "eager"]
+        names = compiled + ["eager"]
+    else:
+        names = (["flex_attention"] if attn_implementation == "flex_attention" else []) + compiled + ["sdpa", "eager"]
+    return [name for name in names if (name, call.device) not in RELATIONAL_ATTENTION_FUNCTIONS.unavailable]
 
 
 def select_relational_attention(module, query, mask: AttentionMask, output_attentions: bool = False) -> str:
@@ -266,6 +283,30 @@ def select_relational_attention(module, query, mask: AttentionMask, output_atten
     return name
 
 
-__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend", "RelationalCall",
-           "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_weights", "repeat_kv",
-           "select_relational_attention", "symbol_rows"]
+def attend_with_fallback(module, query, mask: AttentionMask, output_attentions: bool, attend: Callable[[str], tuple]):
+    """`attend(backend)` with the backend that `select_relational_attention` picks. If an automatically selected
+    backend raises `RelationalBackendUnavailable` (its kernel failed to compile or launch), it leaves automatic
+    selection on that device type for the rest of the process, with one `RuntimeWarning` naming the error and the
+    backend that runs instead, and the next backend runs; a backend requested by `relational_attn_implementation`
+    raises the error."""
+    while True:
+        backend = select_relational_attention(module, query, mask, output_attentions)
+        if torch.compiler.is_compiling():  # (traced ops never launch a kernel)
+            return attend(backend)
+        try:
+            return attend(backend)
+        except RelationalBackendUnavailable as error:
+            device = query.device.type
+            if getattr(module.config, "relational_attn_implementation", None) is not None or backend == "eager" or (
+                    backend, device) in RELATIONAL_ATTENTION_FUNCTIONS.unavailable:
+                raise
+            RELATIONAL_ATTENTION_FUNCTIONS.unavailable[(backend, device)] = str(error)
+            fallback = select_relational_attention(module, query, mask, output_attentions)
+            warnings.warn(f"dat_hf: the {backend!r} relational attention backend is not used on {device} from now on "
+                          f"in this process; {fallback!r} runs instead. {error}", RuntimeWarning, stacklevel=2)
+
+
+__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend",
+           "RelationalBackendUnavailable", "RelationalCall", "attend_with_fallback", "eager_relational_attention",
+           "per_head_symbols", "relational_messages", "relational_weights", "repeat_kv", "select_relational_attention",
+           "symbol_rows"]

@@ -9,8 +9,9 @@ dat_hf's code follows the newest convention; this module maps it onto the instal
 - 5.24 renamed the cache `past_key_values` -> `cache`: in model forwards, in the inputs `generate()` hands the model
   (and in `create_masks_for_generate`), in `masking_utils`' mask builders, in the fields of `ModelOutput`s and in
   what `GradientCheckpointingLayer` drops while checkpointing. DAT's forwards take `cache` and accept
-  `past_key_values` as the same argument (what `generate()` passes before 5.24) without a warning; what dat_hf hands
-  to Transformers uses the installed release's name (`CACHE_NAME`).
+  `past_key_values` as the same argument (what `generate()` passes before 5.24: silently there, with a
+  `FutureWarning` from 5.24 on, like Transformers' models); what dat_hf hands to Transformers uses the installed
+  release's name (`CACHE_NAME`).
 - 5.17 has no `transformers.modeling_utils.slice_logits_to_keep`; dat_hf's own follows its rules.
 """
 
@@ -18,9 +19,15 @@ import dataclasses
 import functools
 import re
 import textwrap
+import warnings
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# the oldest and newest Transformers releases the suite ran on (constraints/floor.txt, constraints/tested.txt)
+TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
 
 # the installed release's name of the cache (argument and output field): "cache" from 5.24, else "past_key_values"
 CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
@@ -33,17 +40,20 @@ CACHE_NAMES = ["cache", "past_key_values"]
 CACHE_ARG_DOC = """cache (`~cache_utils.Cache`, *optional*):
     The cache of the tokens seen so far (keys, values, symbol values and relation keys of every layer), as returned
     by an earlier forward with `use_cache=True`; the model returns it updated. Also accepted as `past_key_values`
-    (its name before Transformers 5.24)."""
+    (its name before Transformers 5.24, deprecated since)."""
 
 
 def takes_cache(function):
     """For a forward written with a `cache` argument (the innermost decorator, under `auto_docstring`): also accept
-    `past_key_values=` (what `generate()` passes before Transformers 5.24, and what code written for those releases
-    passes; giving both is an error), and document `cache` in its docstring."""
+    `past_key_values=` (what `generate()` passes before Transformers 5.24, silently there; from 5.24 on, a
+    `FutureWarning`, as Transformers' own models give; giving both is an error), and document `cache`."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if LEGACY_CACHE_NAME in kwargs:
+            if CACHE_NAME == "cache":
+                warnings.warn("`past_key_values` is deprecated since Transformers 5.24: pass the cache as `cache`.",
+                              FutureWarning, stacklevel=2)
             legacy = kwargs.pop(LEGACY_CACHE_NAME)
             if kwargs.get("cache") is not None and legacy is not None:
                 raise ValueError("Pass the cache once, as `cache` (`past_key_values` is its former name), not both.")
@@ -70,6 +80,23 @@ def output_cache(outputs):
     return getattr(outputs, CACHE_NAME, None)
 
 
+class UntestedTransformersWarning(UserWarning):
+    """The installed Transformers is newer than the newest release dat_hf was tested with."""
+
+
+def warn_if_untested_transformers(installed: str = transformers.__version__) -> bool:
+    """Warn (once: `import dat_hf` calls it) when the installed Transformers is newer than `TESTED_TRANSFORMERS`
+    says; -> whether it warned. Older ones are refused by setup.cfg's floor."""
+    oldest, newest = TESTED_TRANSFORMERS
+    if Version(installed).release <= Version(newest).release:
+        return False
+    warnings.warn(
+        f"dat_hf was tested with transformers {oldest} to {newest}; {installed} is newer and untested. If generation, "
+        f"caching or training misbehaves, install a tested release: pip install 'transformers>={oldest},<={newest}'.",
+        UntestedTransformersWarning, stacklevel=3)
+    return True
+
+
 def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
     last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
@@ -84,4 +111,5 @@ def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torc
     return hidden_states[:, logits_to_keep, :]
 
 
-__all__ = ["CACHE_ARG_DOC", "CACHE_NAME", "CACHE_NAMES", "cache_kwargs", "output_cache", "slice_logits_to_keep", "takes_cache"]
+__all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs", "output_cache",
+           "slice_logits_to_keep", "takes_cache", "warn_if_untested_transformers"]

@@ -336,8 +336,11 @@ def _guard_check(model, inputs, calls=2000):
         code = forward.__code__
         cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ())))
         names = code.co_varnames  # (self, then the wrapper's *args and **kwargs)
-        f_locals = {names[0]: model, names[code.co_argcount]: inputs[0], names[code.co_argcount + 1]: inputs[1],
-                    **cells}
+        if code.co_argcount == 0:  # a wrapper of (*args, **kwargs) alone, self among the args (`deprecate_kwarg`)
+            f_locals = {names[0]: (model, *inputs[0]), names[1]: inputs[1], **cells}
+        else:
+            f_locals = {names[0]: model, names[code.co_argcount]: inputs[0], names[code.co_argcount + 1]: inputs[1],
+                        **cells}
         with torch.no_grad():  # (grad mode is guarded; generate decodes without gradients)
             guards = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)
                       if entry.guard_manager.check(f_locals)]
@@ -359,6 +362,17 @@ def _cache_bytes(cache) -> int:
     for layer in cache.layers:
         tensors += getattr(layer, "_buffers", None) or (layer.keys, layer.values)
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _cache_tokens(last_step) -> dict:
+    """{"cache_tokens": the tokens the cache held after the last decoding step} (prompt + new tokens - 1 when the
+    model used the cache `generate` gave it), or {} without a recorded step. A model that ignores the cache it is
+    given (e.g. one reading another argument name than the one `generate` passes) still decodes, wrongly and fast."""
+    if not last_step:
+        return {}
+    kwargs = last_step["inputs"][1]
+    cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    return {"cache_tokens": None if cache is None else int(cache.get_seq_length())}  # (a static cache: a tensor)
 
 
 def _compile_counts():
@@ -454,7 +468,8 @@ def worker_generate(args):
                       "forward_ms_per_token": None if forward is None else 1000 * forward,
                       "ms_per_token": 1000 * (times[-1] - start) / args.new_tokens, "prefill_s": prefill,
                       "cache_mib": None if cache_bytes[0] is None else cache_bytes[0] / 2**20,
-                      "relational_backend": relational_backend(model), **compiled, **device.record()}))
+                      "relational_backend": relational_backend(model), **compiled, **_cache_tokens(last_step),
+                      **device.record()}))
 
 
 def run_worker(mode, impl, args, **extra):

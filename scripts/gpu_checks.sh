@@ -3,6 +3,13 @@
 #
 #   bash scripts/gpu_checks.sh STAGE [STAGE ...]      results (logs, JSON tables) go to $OUT, else ./gpu_results
 #
+#   quick    ONE command of at most 8 minutes (start-up excluded) that measures what matters first, each sub-step
+#            under its own time budget (`timeout`, 455 s in all), figures to $OUT/quick.json, the table for
+#            docs/performance.md to $OUT/quick.md, the log to $OUT/quick.log (scripts/gpu_quick.py): env (versions,
+#            TF32, the backend each head type selects), kernel (the Triton kernel's values and gradients in bf16, fp32,
+#            fp16 vs float64), train (343M shapes at 8 layers, bf16, vs Llama, 2048 and 4096 tokens), decode (343M,
+#            ms/token after 1k tokens vs Llama), backends (the train step with relational heads on flex_attention and
+#            on sdpa). `GPU_CHECKS_DRY_RUN=1` runs it on CPU (Triton's interpreter, tiny shapes): the suite does.
 #   env      GPU, driver and package versions; dat_hf imports and picks the triton backend on CUDA
 #   kernel   the Triton kernel's checks on CUDA tensors (tests/triton_kernel_checks.py, compiled kernels)
 #   fsdp     FSDP2 by hand on CUDA, 2 processes (tests/test_fsdp.py::test_save_pretrained_of_a_model_sharded_by_hand)
@@ -22,20 +29,35 @@
 #            and decoding after a 1k prompt; needs its wheels in .whl/ if the machine lacks the package:
 #            `pip download --no-deps -d .whl dual_attention==0.0.7 einops` (carried as an ignored path)
 #
-# All stages take about 40 minutes of a GPU; with less (a session's 30 minutes, 10 per command), run them in this
-# order, one command per group: `env kernel fsdp decode_op`, `train`, `decode`, `sdpa flex`, `decode_window flex_train
-# reference`.
+# The other stages take about 40 minutes of a GPU; with less (a session's 30 minutes, 10 per command), run `quick`
+# first, then in this order, one command per group: `env kernel fsdp decode_op`, `train`, `decode`, `sdpa flex`,
+# `decode_window flex_train reference`.
 #
 # SDPA's math fallback is forbidden in every benchmark run on CUDA (`--sdpa-math forbid`, the default there): a call
-# that needs it fails the run and the table says so. Wheels in .whl/ (packages the machine lacks or has too old) are
-# installed first into /tmp/site.
+# that needs it fails the run and the table says so. Wheels in .whl/ (or $GPU_CHECKS_WHEELS) are installed first into
+# /tmp/site (or $GPU_CHECKS_SITE), each only where the machine lacks its package or has an older version
+# (scripts/wheels_to_install.py says which). The lent H100/H200 image was read with torch 2.11, triton 3.6,
+# transformers 5.17, accelerate 1.15, tokenizers 0.23, safetensors 0.8, huggingface_hub 1.33 and einops (the device
+# notes, 2026-11): at dat_hf's floors, so nothing needs carrying but `dual_attention` for `reference` (and
+# transformers 5.24, whose other needs the image meets, where a test needs that version); the quick stage's env step
+# prints what the machine has.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+if [ "${GPU_CHECKS_DRY_RUN:-0}" = 1 ]; then  # (tests/test_gpu_quick.py) CPU tensors through Triton's interpreter
+    export TRITON_INTERPRET=1 DAT_HF_CPU_KERNEL=0
+fi
+WHEELS=${GPU_CHECKS_WHEELS:-.whl}
+export GPU_CHECKS_SITE=${GPU_CHECKS_SITE:-/tmp/site}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    mapfile -t NEEDED < <(python3 scripts/wheels_to_install.py "$WHEELS")
+    if [ "${#NEEDED[@]}" -gt 0 ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target \
+            "$GPU_CHECKS_SITE" "${NEEDED[@]}" || { echo "installing the carried wheels failed: ${NEEDED[*]}" >&2
+                                                   exit 3; }
+        export PYTHONPATH="$GPU_CHECKS_SITE:$PYTHONPATH"
+    fi
 fi
 BENCH=(python3 scripts/benchmark.py)
 CUDA=(--device cuda --dtype bf16 --preset dat-343m --impls dat_hf llama --threads 8)
@@ -51,9 +73,41 @@ stage() {
     return "$rc"
 }
 
+# the quick stage's sub-steps and their time budgets in seconds (455 in all; e.g. GPU_CHECKS_QUICK_BUDGETS="env:60
+# kernel:150" to change some), in the order they run
+QUICK_BUDGETS=(env:30 kernel:140 train:100 decode:60 backends:110 report:15)
+for budget in ${GPU_CHECKS_QUICK_BUDGETS:-}; do
+    QUICK_BUDGETS=("${QUICK_BUDGETS[@]/#${budget%%:*}:*/$budget}")
+done
+
+quick_step() {  # NAME BUDGET: one sub-step, stopped at its budget (exit status 124, what it measured is kept)
+    local name=$1 budget=$2 start=$SECONDS rc
+    echo "--- quick $name: budget $budget s"
+    timeout -k 5 "$budget" python3 scripts/gpu_quick.py "$name" --out "$OUT"
+    rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "--- quick $name: STOPPED at its budget of $budget s"
+    fi
+    echo "--- quick $name: rc $rc, $((SECONDS - start)) s"
+    python3 scripts/gpu_quick.py mark --out "$OUT" --name "$name" --rc "$rc" --seconds $((SECONDS - start)) \
+        --budget "$budget"
+    return "$rc"
+}
+
+run_quick() {
+    local failed=0 step
+    rm -f "$OUT/quick.json" "$OUT/quick.md"
+    for step in "${QUICK_BUDGETS[@]}"; do
+        quick_step "${step%%:*}" "${step##*:}" || failed=1
+    done
+    return $failed
+}
+
 status=0
 for name in "$@"; do
     case $name in
+        quick)
+            stage quick run_quick || status=1 ;;
         env)
             stage env bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "
 import torch, transformers, triton, accelerate, dat_hf
@@ -102,7 +156,7 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
                 --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (env, kernel, fsdp, sdpa, train, decode_op, decode, decode_window, flex," \
+            echo "unknown stage $name (quick, env, kernel, fsdp, sdpa, train, decode_op, decode, decode_window, flex," \
                 "flex_train, reference)" >&2
             status=2 ;;
     esac

@@ -8,7 +8,7 @@ What is sent (one `HfApi.create_commit` with the default `--method commit`):
   `generation_config.json`;
 - the remote code: `configuration_dat.py`, `modeling_dat.py` and the modules it imports (`dual_attention.py`,
   `relational_attention.py`, `relational_attention_fused.py`, `masking_dat.py`, `symbol_retrieval.py`,
-  `cache_dat.py`, `kernel_hooks.py`, `input_validation.py`, `atomic_save.py`), so
+  `cache_dat.py`, `kernel_hooks.py`, `input_validation.py`, `atomic_save.py`, `checkpoint_bounds.py`), so
   `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works without dat_hf;
 - the tokenizer files (`tokenizer.json`, `tokenizer_config.json`, ...);
 - `README.md`: the model card from `model_cards/dat_causal_lm.md` with the real configuration, parameter count,
@@ -35,13 +35,36 @@ CODE_URL = os.environ.get("DAT_HF_CODE_URL")  # link of the card's "dat_hf" ment
 
 REMOTE_CODE_FILES = ("configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
                      "relational_attention_fused.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-                     "kernel_hooks.py", "input_validation.py", "atomic_save.py")
+                     "kernel_hooks.py", "input_validation.py", "atomic_save.py", "checkpoint_bounds.py")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "README.md") + REMOTE_CODE_FILES
 RESULT_FILES = ("all_results.json", "eval_results.json", "train_results.json", "training_run.json")
 CARD_METRICS = (("eval_perplexity", "perplexity"), ("eval_mean_perplexity", "mean block perplexity"),
                 ("eval_loss", "loss (nats/token)"), ("eval_num_tokens", "tokens scored"),
                 ("train_loss", "final training loss (mean)"))
+
+
+class PublishError(RuntimeError):
+    """A publication that cannot proceed (no token, Hub unreachable); the message is one line saying what to do."""
+
+
+def _require_token(token):
+    from huggingface_hub import get_token
+
+    if not (token or get_token()):
+        raise PublishError("no Hugging Face token: pass --token, set HF_TOKEN or run `hf auth login` (--dry_run "
+                           "prepares the files without uploading; --staging_dir DIR keeps them).")
+
+
+def _unreachable(error) -> bool:
+    """Whether `error` (or its cause) says the Hub cannot be reached (no network, DNS, offline mode, timeout)."""
+    names = ("ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException", "NetworkError",
+             "OfflineModeIsEnabled", "ProxyError", "SSLError")
+    while error is not None:
+        if type(error).__name__ in names or isinstance(error, (ConnectionError, TimeoutError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _human(n: int) -> str:
@@ -228,6 +251,8 @@ def publish(
 
     if method not in ("commit", "push_to_hub"):
         raise ValueError(f"`method` must be 'commit' or 'push_to_hub', got {method!r}.")
+    if not dry_run:
+        _require_token(token)  # before anything is prepared
     commit_message = commit_message or f"Upload DAT model from {Path(folder).resolve().name}"
     tmp = None
     if staging_dir is None:
@@ -238,37 +263,51 @@ def publish(
         staged = sorted(str(p.relative_to(staging_dir)) for p in Path(staging_dir).rglob("*") if p.is_file())
         if dry_run:
             return staged
-        api = HfApi(token=token)
-        from huggingface_hub import CommitOperationAdd
-
-        if method == "commit":
-            # one commit holding every staged file (large files go through the Hub's LFS/Xet upload inside it)
-            repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
-            if revision:
-                api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
-            operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(staging_dir) / name))
-                          for name in staged]
-            return api.create_commit(repo_id=repo_id, operations=operations, repo_type="model",
-                                     commit_message=commit_message, revision=revision, create_pr=create_pr)
-        # push_to_hub: the model (config, safetensors, generation config, remote code), the tokenizer, then the card
-        # (model.push_to_hub writes a generic README; ours replaces it) and the metrics files
-        commits = [
-            model.push_to_hub(repo_id, commit_message=commit_message, private=private, token=token,
-                              revision=revision, create_pr=create_pr),
-            tokenizer.push_to_hub(repo_id, commit_message="Upload tokenizer", private=private, token=token,
-                                  revision=revision, create_pr=create_pr),
-        ]
-        extra = ["README.md"] + [name for name in RESULT_FILES if (Path(staging_dir) / name).is_file()]
-        commits.append(api.create_commit(
-            repo_id=repo_id, repo_type="model", revision=revision, create_pr=create_pr,
-            commit_message="Upload model card and metrics",
-            operations=[CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(staging_dir) / name))
-                        for name in extra],
-        ))
-        return commits
+        try:
+            return _upload(HfApi(token=token), model, tokenizer, staging_dir, staged, repo_id, token, private,
+                           revision, create_pr, commit_message, method)
+        except Exception as error:
+            if _unreachable(error):
+                reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+                raise PublishError(f"the Hugging Face Hub cannot be reached ({type(error).__name__}: {reason}); "
+                                   "nothing was uploaded. Check the network (and that HF_HUB_OFFLINE is unset), or "
+                                   "prepare the files only with --dry_run (--staging_dir DIR keeps them).") from error
+            raise
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _upload(api, model, tokenizer, staging_dir, staged, repo_id, token, private, revision, create_pr, commit_message,
+            method):
+    """The upload of the staged files (one commit, or push_to_hub's three)."""
+    from huggingface_hub import CommitOperationAdd
+
+    if method == "commit":
+        # one commit holding every staged file (large files go through the Hub's LFS/Xet upload inside it)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        if revision:
+            api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(staging_dir) / name))
+                      for name in staged]
+        return api.create_commit(repo_id=repo_id, operations=operations, repo_type="model",
+                                 commit_message=commit_message, revision=revision, create_pr=create_pr)
+    # push_to_hub: the model (config, safetensors, generation config, remote code), the tokenizer, then the card
+    # (model.push_to_hub writes a generic README; ours replaces it) and the metrics files
+    commits = [
+        model.push_to_hub(repo_id, commit_message=commit_message, private=private, token=token,
+                          revision=revision, create_pr=create_pr),
+        tokenizer.push_to_hub(repo_id, commit_message="Upload tokenizer", private=private, token=token,
+                              revision=revision, create_pr=create_pr),
+    ]
+    extra = ["README.md"] + [name for name in RESULT_FILES if (Path(staging_dir) / name).is_file()]
+    commits.append(api.create_commit(
+        repo_id=repo_id, repo_type="model", revision=revision, create_pr=create_pr,
+        commit_message="Upload model card and metrics",
+        operations=[CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(Path(staging_dir) / name))
+                    for name in extra],
+    ))
+    return commits
 
 
 def main(argv=None):
@@ -293,9 +332,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     card_kwargs = {"license": args.license, "dataset_name": args.dataset_name, "training_data": args.training_data,
                    "prompt": args.prompt}
-    result = publish(args.folder, args.repo_id, token=args.token, private=args.private or None,
-                     revision=args.revision, create_pr=args.create_pr, commit_message=args.commit_message,
-                     method=args.method, staging_dir=args.staging_dir, dry_run=args.dry_run, card_kwargs=card_kwargs)
+    try:
+        result = publish(args.folder, args.repo_id, token=args.token, private=args.private or None,
+                         revision=args.revision, create_pr=args.create_pr, commit_message=args.commit_message,
+                         method=args.method, staging_dir=args.staging_dir, dry_run=args.dry_run,
+                         card_kwargs=card_kwargs)
+    except PublishError as error:
+        print(f"publish.py: {error}", file=sys.stderr)
+        return None
     if args.dry_run:
         print("\n".join(result))
     else:

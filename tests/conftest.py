@@ -42,6 +42,17 @@ def enable_checkpointing(model):
         model.gradient_checkpointing_enable()
 
 
+def set_torch_config(request, config_module, name: str, value):
+    """Set a knob of one of torch's private config modules (`torch._dynamo.config`, `torch._inductor.config`) for one
+    test, with the module's own `patch` (monkeypatch's undo deletes a config module's attribute, and every later use
+    of the knob fails), where the installed torch has it: such knobs work around a torch release's bugs and may be
+    gone in later releases, where the test then runs without the workaround instead of erroring."""
+    if hasattr(config_module, name):
+        patch = config_module.patch(**{name: value})
+        patch.__enter__()
+        request.addfinalizer(lambda: patch.__exit__(None, None, None))
+
+
 # ---- the differential fuzzer (tests/test_fuzz_attention.py) -------------------------------------------------------
 def pytest_addoption(parser):
     parser.addoption("--fuzz-seed", type=int, default=None,

@@ -351,3 +351,156 @@ def test_remote_code_load_repairs_an_interrupted_save(tmp_path):
         assert loaded["module"].startswith("transformers_modules.")
         assert loaded["weights"] == weight_digests(model)
         assert not (folders[label] / JOURNAL).exists()
+
+
+# ---- planted links, damaged journals --------------------------------------------------------------------------------
+def interrupted_save(tmp_path):
+    """A folder whose save (old model: seed 0, hidden 32, one file; new: seed 1, hidden 48, sharded) stopped right
+    after its journal was in place, before the commit point, as a kill there: (folder, old model, journal)."""
+    import dat_hf.atomic_save as atomic_save
+
+    torch.manual_seed(0)
+    old = DATForCausalLM(tiny_config(hidden_size=32))
+    old.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    new = DATForCausalLM(tiny_config(hidden_size=48))
+
+    def killed(directory, journal):
+        raise KeyboardInterrupt
+
+    saved = atomic_save._roll_forward, atomic_save.repair
+    atomic_save._roll_forward, atomic_save.repair = killed, lambda directory: None  # (a kill runs no clean-up)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            atomic_save.save_atomically(tmp_path, lambda staging: transformers.PreTrainedModel.save_pretrained(
+                new, staging, max_shard_size=SHARD))
+    finally:
+        atomic_save._roll_forward, atomic_save.repair = saved
+    journal = json.loads((tmp_path / JOURNAL).read_text())
+    assert (tmp_path / journal["backup"] / JOURNAL).is_file()  # the copy a damaged journal is repaired from
+    return tmp_path, old, journal
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_damaged_journal_is_repaired_from_the_backup_copy(tmp_path, caplog):
+    for damage in ("{", "{}", '{"staging": ".dat_hf_staging-x"}'):
+        folder = tmp_path / f"case{len(damage)}"
+        folder, old, journal = interrupted_save(folder)
+        (folder / JOURNAL).write_text(damage)
+        with caplog.at_level("WARNING", logger="dat_hf.atomic_save"):
+            loaded = AutoModelForCausalLM.from_pretrained(folder)
+        assert same_weights(loaded.state_dict(), old.state_dict()), damage  # rolled back: the old model
+        assert any("was damaged" in r.getMessage() and str(folder / JOURNAL) in r.getMessage() for r in caplog.records)
+        assert not [n for n in os.listdir(folder) if n.startswith(".")]
+
+
+def test_damaged_journal_without_an_intact_copy_names_the_file_and_what_to_do(tmp_path):
+    folder, old, journal = interrupted_save(tmp_path)
+    (folder / JOURNAL).write_text("{")
+    (folder / journal["backup"] / JOURNAL).write_text("{}")
+    with pytest.raises(ValueError) as error:
+        AutoModelForCausalLM.from_pretrained(folder)
+    message = str(error.value)
+    assert str(folder / JOURNAL) in message and "not JSON" in message
+    assert str(folder / journal["backup"]) in message and "move them into" in message
+
+
+def test_planted_links_are_never_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config())
+    model.save_pretrained(folder)
+    for name in (STAGING_PREFIX + "planted", BACKUP_PREFIX + "planted"):  # leftovers that are links: removed
+        os.symlink(outside, folder / name)
+    model.save_pretrained(folder)  # used to fail: "Cannot call rmtree on a symbolic link"
+    assert (outside / "keep.txt").read_text() == "keep"
+    assert not [n for n in os.listdir(folder) if n.startswith(".")]
+
+    folder2, old, journal = interrupted_save(tmp_path / "interrupted")
+    backup = folder2 / journal["backup"]
+    shutil.rmtree(backup)
+    os.symlink(outside, backup)  # the journal's backup replaced by a link out of the folder
+    with pytest.raises(ValueError, match=rf"{backup} is a symbolic link where the interrupted save .* does not follow"):
+        AutoModelForCausalLM.from_pretrained(folder2)
+    assert sorted(os.listdir(outside)) == ["keep.txt"]
+    os.symlink(outside / "keep.txt", folder / JOURNAL)
+    with pytest.raises(ValueError, match=rf"{folder / JOURNAL} is a symbolic link, not a dat_hf save journal"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert (outside / "keep.txt").read_text() == "keep"
+
+
+# ---- readers racing a writer ----------------------------------------------------------------------------------------
+RACE_WRITER = r'''
+import sys, torch
+from conftest import tiny_config
+from dat_hf import DATForCausalLM
+folder, saves = sys.argv[1], int(sys.argv[2])
+model = DATForCausalLM(tiny_config(vocab_size=200, intermediate_size=96))
+for k in range(1, saves + 1):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(k))
+    model.config.pad_token_id = k
+    model.save_pretrained(folder, max_shard_size="20KB")  # 5-6 shards
+    print(k, flush=True)
+'''
+
+
+def race(tmp_path, saves, capsys=None):
+    """A writer process saves `saves` sharded models (every weight = k, `pad_token_id` = k in save k) into one
+    folder while this process loads it in a loop through the model class and the Auto class. Returns (loads, mixes,
+    reloads announced)."""
+    import logging
+
+    folder = tmp_path / "raced"
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(vocab_size=200, intermediate_size=96))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.0)
+    model.config.pad_token_id = 0
+    model.save_pretrained(folder, max_shard_size="20KB")
+    writer = subprocess.Popen([sys.executable, "-c", RACE_WRITER, str(folder), str(saves)],
+                              cwd=os.path.dirname(__file__), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dat_hf.atomic_save").addHandler(handler)
+    loads, mixes = 0, []
+    try:
+        while writer.poll() is None:
+            for loader in (DATForCausalLM, AutoModelForCausalLM):
+                loaded = loader.from_pretrained(folder)
+                values = {float(v) for p in loaded.state_dict().values() for v in p.unique()}
+                loads += 1
+                if len(values) != 1:
+                    mixes.append(("weights", sorted(values)))
+                elif loaded.config.pad_token_id != int(values.pop()):
+                    mixes.append(("config", loaded.config.pad_token_id))
+    finally:
+        logging.getLogger("dat_hf.atomic_save").removeHandler(handler)
+        writer.kill()
+    assert writer.wait() == 0 and writer.stdout.read().split()[-1] == str(saves).encode()
+    reloads = [r.getMessage() for r in records if "again" in r.getMessage() or "waited" in r.getMessage()]
+    return loads, mixes, reloads
+
+
+def test_readers_racing_a_writer_never_load_a_mix(tmp_path):
+    loads, mixes, reloads = race(tmp_path, saves=25)
+    print(f"race: {loads} loads during 25 sharded saves, {len(mixes)} mixes, {len(reloads)} reloads/waits announced")
+    assert loads >= 10
+    assert mixes == []
+
+
+@pytest.mark.slow
+def test_readers_racing_a_writer_never_load_a_mix_long(tmp_path):
+    loads, mixes, reloads = race(tmp_path, saves=400)
+    print(f"race: {loads} loads during 400 sharded saves, {len(mixes)} mixes, {len(reloads)} reloads/waits announced")
+    assert loads >= 100 and mixes == []

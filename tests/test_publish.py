@@ -15,7 +15,7 @@ from dat_hf import DATForCausalLM
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
             "relational_attention_fused.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-            "kernel_hooks.py", "input_validation.py", "atomic_save.py", "README.md"}
+            "kernel_hooks.py", "input_validation.py", "atomic_save.py", "checkpoint_bounds.py", "README.md"}
 REPO_ID = "someone/dat-tiny-shakespeare"
 
 
@@ -40,6 +40,7 @@ class HubRecorder:
 
     def install(self, monkeypatch):
         recorder = self
+        monkeypatch.setenv("HF_TOKEN", "hf_recorded")  # publish checks for a token first
 
         def create_repo(api, repo_id, **kwargs):
             recorder.repos.append((repo_id, kwargs))
@@ -166,3 +167,26 @@ def test_publish_dry_run_and_cli(trained_folder, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="config.json"):
         publish.render_model_card(tmp_path)
     assert os.path.isfile(REPO_ROOT / "model_cards" / "dat_causal_lm.md")
+
+
+def test_missing_token_is_checked_first(trained_folder, tmp_path, monkeypatch, capsys):
+    publish = import_script("publish")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no-login"))  # no stored login
+    monkeypatch.setattr(publish, "prepare_upload_folder", lambda *a, **k: pytest.fail("prepared before the check"))
+    assert publish.main(["--folder", str(trained_folder), "--repo_id", REPO_ID]) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no Hugging Face token" in err[0] and "--dry_run" in err[0]
+
+
+def test_no_network_is_one_line(trained_folder, tmp_path):
+    """A real HfApi with the Hub unreachable (offline mode here; a DNS failure takes the same path): one line on
+    stderr, exit status 1, no traceback."""
+    env = subprocess_env(HF_TOKEN="hf_fake", HF_HUB_OFFLINE="1")
+    proc = run_group([sys.executable, str(REPO_ROOT / "scripts" / "publish.py"), "--folder", str(trained_folder),
+                      "--repo_id", REPO_ID], timeout=300, cwd=str(tmp_path), env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[ERROR]")]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith("publish.py: the Hugging Face Hub cannot be reached") and "--dry_run" in lines[-1]
+    assert "--staging_dir" in lines[-1]

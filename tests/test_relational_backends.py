@@ -439,6 +439,7 @@ def test_without_the_cpu_kernel_the_pytorch_backends_run():
 import torch, dat_hf
 from dat_hf.kernels.cpu_build import _STATE
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
+from dat_hf.transformers_compat import output_cache
 from dat_hf import DATConfig, DATForCausalLM
 model = DATForCausalLM(DATConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_sensory_heads=2,
                                  num_relational_heads=2, num_symbols=8, symbolic_attention_heads=2))

@@ -20,7 +20,7 @@
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import set_torch_config, tiny_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import get_first_incompatible_cudagraph_node
 from transformers import CompileConfig, StaticCache
@@ -193,12 +193,12 @@ def test_compiled_static_decoding_with_flex_attention_is_one_graph(name, dynamo_
     assert_cuda_graph_safe(graphs)
 
 
-def test_inductor_compiled_flex_attention_decoding_on_cpu(monkeypatch):
+def test_inductor_compiled_flex_attention_decoding_on_cpu(request):
     """The same step compiled by inductor on CPU, where its C++ FlexAttention template reads a view that starts past
     its buffer's beginning from the buffer's start (the sensory heads' slice of the cache would read the relational
     heads' keys; `relational_attention_fused.flex_inputs` hands it copies): the logits of SDPA without a compiled step.
     (Inductor cannot fuse the ops after that template, so this compiles with `epilogue_fusion` off.)"""
-    monkeypatch.setattr(torch._inductor.config, "epilogue_fusion", False)
+    set_torch_config(request, torch._inductor.config, "epilogue_fusion", False)
     model, prompt, mask = tiny_model_and_prompt(*LM_CASES["gqa-left-padded"])
     expected = greedy(model, prompt, mask)
     model.set_attn_implementation("flex_attention")
@@ -336,10 +336,18 @@ def test_a_users_static_cache():
     torch.testing.assert_close(logits, expected[:, :7], atol=1e-5, rtol=0)
     torch.testing.assert_close(step[:, 0], expected[:, 7], atol=1e-5, rtol=0)
 
+    # initialized ahead with one shape for keys and values, still empty (Transformers' export wrapper, chunked
+    # prefills): sized again for DAT
+    ahead = StaticCache(config=model.config, max_cache_len=16)
+    ahead.early_initialization(2, 4, 8, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt, cache=ahead).logits, logits, atol=1e-6, rtol=0)
+    assert all(isinstance(layer, DATStaticLayer) for layer in ahead.layers)
+
     foreign = StaticCache(config=model.config, max_cache_len=16)
     layer = foreign.layers[0]
     assert type(layer) is StaticLayer
-    layer.lazy_initialization(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))  # as another model leaves it
+    layer.update(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))  # a token of another model
     with pytest.raises(ValueError, match="filled by another model"):
         model(prompt, cache=foreign)
 

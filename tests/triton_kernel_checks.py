@@ -18,7 +18,9 @@ CUDA machine, run them directly with compiled kernels: `python -m pytest tests/t
 - models: a tiny `DATForCausalLM` with `relational_attn_implementation="triton"` gives the `eager` backend's logits
   and gradients (GQA, padded sliding window) and its greedy generation; a long sliding window (decoder and encoder)
   runs in one kernel call per layer without a dense mask; under bfloat16 autocast the kernel runs in bfloat16;
-  `torch.compile` traces the ops (fake kernels, autograd formula) and gives eager's gradients.
+  `torch.compile` traces the ops (fake kernels, autograd formula) and gives eager's gradients;
+- a backward kernel that fails to build: the first training forward, which runs the real forward kernel and then the
+  backward kernels, gives way to the next backend with one warning (`test_backend_fallback.py` covers the rest).
 """
 
 import pytest
@@ -447,6 +449,59 @@ def test_torch_compile_traces_the_ops():
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     logits, grads = matrix.logits_and_grads(compiled, {"input_ids": x})
     assert any("triton_relational_forward" in graph for graph in graphs)
+    assert_close(logits, expected, atol=1e-5)
+    for g, e in zip(grads, expected_grads):
+        assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
+class _CountedLaunches:
+    """Stands in for an autotuned kernel: counts its launches, then runs `kernel` or, without one, raises `error`."""
+
+    def __init__(self, kernel=None, error=None):
+        self.kernel, self.error, self.launches = kernel, error, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches += 1
+            if self.kernel is None:
+                raise self.error
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_a_failing_backward_kernel_gives_way_in_the_forward(monkeypatch):
+    """Automatic selection tries the triton backend first (as on CUDA); the dkv kernel fails as one needing more
+    shared memory than the device has: the first training forward runs the real forward kernel and then the backward
+    kernels, so it is the forward that gives way to `sdpa` (one warning naming the error) and `backward()` works with
+    `sdpa`'s gradients."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS as registry
+
+    monkeypatch.setitem(registry, "triton", registry["triton"]._replace(preferred_on=(DEVICE,)))
+    monkeypatch.setitem(registry, "cpu", registry["cpu"]._replace(preferred_on=()))
+    monkeypatch.setattr(registry, "unavailable", {})
+    monkeypatch.setattr(kernel, "_CHECKED_BACKWARD", set())
+    torch.manual_seed(5)
+    model = DATForCausalLM(tiny_config(num_relational_key_value_heads=1)).to(DEVICE).train()
+    x = torch.randint(0, model.config.vocab_size, (2, 13), device=DEVICE)
+    model.config.relational_attn_implementation = "sdpa"
+    expected, expected_grads = matrix.logits_and_grads(model, {"input_ids": x})
+    model.config.relational_attn_implementation = None
+    forward = _CountedLaunches(kernel._forward_kernel)
+    dkv = _CountedLaunches(error=OutOfResources(262144, 232448, "shared memory"))
+    monkeypatch.setattr(kernel, "_forward_kernel", forward)
+    monkeypatch.setattr(kernel, "_backward_dkv_kernel", dkv)
+    with count_backend_calls("triton") as calls, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits, grads = matrix.logits_and_grads(model, {"input_ids": x})
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "OutOfResources: out of resource: shared memory" in messages[0], messages
+    # layer 0 tried the backend once (its forward kernel ran, then dkv failed); layer 1 did not try it
+    assert (calls[0], forward.launches, dkv.launches) == (1, 1, 1)
+    assert {layer.dual_attn.relational.relational_attention_backend for layer in model.model.layers} == {"sdpa"}
     assert_close(logits, expected, atol=1e-5)
     for g, e in zip(grads, expected_grads):
         assert_close(g, e, atol=1e-5, rtol=1e-4)

@@ -157,7 +157,8 @@ def supports_cpu(call: RelationalCall) -> str | None:
     if not call.mask.bool_or_none:
         return "the CPU kernel takes no mask or a bool [b|1, 1, q|1, kv] one"
     if not load_cpu_kernel():
-        return "the CPU kernel is not built (no C++ compiler, DAT_HF_CPU_KERNEL=0, or inside torch.compile)"
+        return ("the CPU kernel is not built (no C++ compiler, a failed build, DAT_HF_CPU_KERNEL=0, or inside "
+                "torch.compile; see `python -m dat_hf.kernels status`)")
     return None
 
 

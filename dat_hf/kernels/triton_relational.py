@@ -59,7 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, fused_values_limits
+from ..relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
+                                    fused_values_limits)
 from .autograd import relational_op_autograd
 
 
@@ -72,12 +73,12 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TUNING_KEY = ["HEADS", "GROUPS", "HEAD_DIM", "NUM_RELATIONS", "RELATION_DIM", "CAUSAL", "WINDOWED", "HAS_MASK"]
 
 
-def _configs(shapes):
-    """Autotuning configs (BLOCK_M, BLOCK_N, warps, stages) on the GPU (the first only with `DAT_HF_TRITON_AUTOTUNE=0`);
-    one small config under the interpreter (which ignores warps and stages)."""
+def _configs(shapes, every: bool = False):
+    """Autotuning configs (BLOCK_M, BLOCK_N, warps, stages) on the GPU (the first only with `DAT_HF_TRITON_AUTOTUNE=0`,
+    unless `every`); one small config under the interpreter (which ignores warps and stages)."""
     if INTERPRETED:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
-    if os.environ.get("DAT_HF_TRITON_AUTOTUNE", "1") == "0":
+    if os.environ.get("DAT_HF_TRITON_AUTOTUNE", "1") == "0" and not every:
         shapes = shapes[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
@@ -86,11 +87,12 @@ def _configs(shapes):
 # and value in bfloat16: 64 KB a stage); configs that do not fit fail to compile and the autotuner skips them, the
 # single-stage 16 x 16 config fits every head dim up to 128.
 # forward and dq: BLOCK_M receivers x HEADS heads of accumulators, senders streamed in BLOCK_N blocks
-_RECEIVER_CONFIGS = _configs([(16, 16, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 8, 3), (32, 16, 8, 2),
-                              (32, 32, 8, 2), (16, 64, 8, 2)])
+RECEIVER_SHAPES = [(16, 16, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2), (16, 32, 8, 3), (32, 16, 8, 2), (32, 32, 8, 2),
+                   (16, 64, 8, 2)]
+_RECEIVER_CONFIGS = _configs(RECEIVER_SHAPES)
 # dkv: BLOCK_N senders x HEADS heads of accumulators, receivers streamed in BLOCK_M blocks
-_SENDER_CONFIGS = _configs([(16, 16, 4, 1), (16, 16, 4, 2), (32, 16, 4, 2), (32, 16, 8, 3), (64, 16, 8, 2),
-                            (32, 32, 8, 2)])
+SENDER_SHAPES = [(16, 16, 4, 1), (16, 16, 4, 2), (32, 16, 4, 2), (32, 16, 8, 3), (64, 16, 8, 2), (32, 32, 8, 2)]
+_SENDER_CONFIGS = _configs(SENDER_SHAPES)
 
 
 # ---- tile helpers ----------------------------------------------------------------------------------------------
@@ -650,12 +652,47 @@ def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scal
 
 
 # ---- the backend ---------------------------------------------------------------------------------------------------
+# what a kernel that cannot be built or launched on a device raises, besides Triton's own errors (`triton.*` classes:
+# CompilationError, OutOfResources, PTXASError, ...): messages of the driver's launcher and of MLIR's pass manager
+_KERNEL_FAILURE_TEXT = ("Triton Error", "PassManager::run failed", "ptxas")
+# the kernel variants (device, dtype, constexprs) whose backward kernels have run in this process
+_CHECKED_BACKWARD: set = set()
+
+
+def kernel_failure(error: BaseException) -> bool:
+    """Whether `error` says that a Triton kernel failed to compile or launch (not an input error, not CUDA memory)."""
+    if isinstance(error, (ValueError, torch.OutOfMemoryError)):
+        return False
+    return type(error).__module__.split(".")[0] == "triton" or (
+        isinstance(error, RuntimeError) and any(text in str(error) for text in _KERNEL_FAILURE_TEXT))
+
+
+def _check_backward(query, key, values, q_rel, k_rel, mask, causal, window, two_sided, scaling, relation_scaling):
+    """Before the first training call of a kernel variant (device, dtype, constexprs) in this process: a forward and a
+    backward on the call's own tensors (detached; zero output gradients), so that a backward kernel that cannot be
+    built or launched fails in the forward, where the backend can still give way, not in `loss.backward()`. On the
+    call's shapes: the autotuner tunes each kernel on them, as the real call would."""
+    window = window or 0
+    _, _, constants = _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided)
+    variant = (str(query.device), query.dtype, tuple(sorted(constants.items())))
+    if variant in _CHECKED_BACKWARD:
+        return
+    with torch.no_grad():
+        args = [_contiguous_last(t.detach()) for t in (query, key, values, q_rel, k_rel)]
+        options = (mask, bool(causal), window, bool(two_sided), float(scaling), float(relation_scaling))
+        symbols, relations, lse = _forward_op(*args, *options)
+        _backward_op(torch.zeros_like(symbols), torch.zeros_like(relations), *args, symbols, relations, lse, *options)
+    _CHECKED_BACKWARD.add(variant)
+
+
 def triton_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
                                 scaling, relation_scaling, dropout=0.0, **kwargs):
     """The `"triton"` backend (signature and outputs as `eager_relational_attention`). Inputs are cast to the
     autocast dtype under autocast. With a mask, the mask alone decides who attends (as in the reference); a sliding
     window over the whole sequence (`attention_mask.window`) goes to the kernel as its window and padding, never as a
-    dense mask."""
+    dense mask. A kernel that fails to compile or launch raises `RelationalBackendUnavailable` naming the error (the
+    backward kernels are run once per kernel variant before the first training call, see `_check_backward`), so
+    that automatic selection falls back to the next backend."""
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, symbol_values, relation_queries, relation_keys = (
@@ -667,9 +704,23 @@ def triton_relational_attention(module, query, key, symbol_values, relation_quer
     else:  # padding as a bool [b, 1, 1, kv] mask on top of the window
         mask = None if window.padding is None else window.padding[:, None, None, :]
         causal, window_args = attention_mask.is_causal, dict(window=window.window, two_sided=window.two_sided)
-    attended_symbols, attended_relations = relational_attention_op(
-        query, key, symbol_values.expand(query.shape[0], -1, -1, -1), relation_queries, relation_keys, causal,
-        scaling, relation_scaling, mask, **window_args)
+    symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
+    try:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
+                t.requires_grad for t in (query, key, symbol_values, relation_queries, relation_keys)):
+            _check_inputs(query, key, symbol_values, relation_queries, relation_keys, mask, causal,
+                          window_args.get("window"))
+            _check_backward(query, key, symbol_values, relation_queries, relation_keys, mask, causal,
+                            window_args.get("window"), window_args.get("two_sided", False), scaling, relation_scaling)
+        attended_symbols, attended_relations = relational_attention_op(
+            query, key, symbol_values, relation_queries, relation_keys, causal, scaling, relation_scaling, mask,
+            **window_args)
+    except Exception as error:
+        if not kernel_failure(error):
+            raise
+        raise RelationalBackendUnavailable(
+            f"The Triton relational attention kernel failed to compile or launch on {query.device} ({query.dtype}): "
+            f"{type(error).__name__}: {error}") from error
     # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
     messages = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, module.relation_proj.to(dtype))
     return messages, None, None
@@ -698,4 +749,5 @@ def register():
                                             preferred_on=("cuda",), takes_sliding_window=True)
 
 
-__all__ = ["INTERPRETED", "relational_attention_op", "register", "supports_triton", "triton_relational_attention"]
+__all__ = ["INTERPRETED", "kernel_failure", "relational_attention_op", "register", "supports_triton",
+           "triton_relational_attention"]

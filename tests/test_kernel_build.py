@@ -1,0 +1,271 @@
+"""The compiled kernels' build (`dat_hf/kernels/cpu_build.py`, `python -m dat_hf.kernels`) as a dependency that
+never hangs and always says what it does:
+
+- a build killed with SIGKILL in the middle leaves nothing a later process waits on: the next process builds
+  within a bound (and removes the dead build's folder); a live builder that holds the lock too long ends the wait
+  after `DAT_HF_KERNEL_BUILD_TIMEOUT` with an error naming it;
+- no compiler on PATH, a read-only cache: `build_extension` returns False after exactly one warning saying why;
+- the first build logs one line (what, where, how to build ahead, how to skip it); the cache key holds the CPU's
+  instruction set;
+- `python -m dat_hf.kernels build`, then a fresh process loads the kernels with no build line and no wait; `status`.
+The generic build machinery is exercised on a one-function C++ file (fast); the slow test kills a real build.
+"""
+
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dat_hf.kernels import cpu_build
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CXX = shutil.which("c++") is not None
+needs_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler on this machine")
+
+# A child that imports cpu_build.py as a plain file (torch only: ~1 s instead of dat_hf's ~5 s) and builds a
+# one-function library into the cache named by argv.
+PROBE_CHILD = textwrap.dedent("""
+    import ctypes, importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("cpu_build", sys.argv[1])
+    cpu_build = importlib.util.module_from_spec(spec); spec.loader.exec_module(cpu_build)
+    start = time.monotonic()
+    try:
+        library, built = cpu_build.ensure_built(name="probe", sources=[sys.argv[3]], flags=["-O0", "-fPIC"],
+                                                root=sys.argv[2])
+    except cpu_build.KernelBuildError as error:
+        print(f"FAILED after {time.monotonic() - start:.1f} s: {error}", flush=True)
+        sys.exit(3)
+    print(f"RESULT {ctypes.CDLL(str(library)).dat_hf_probe()} built={built} {time.monotonic() - start:.1f} s",
+          flush=True)
+""")
+
+
+@pytest.fixture
+def probe(tmp_path):
+    source = tmp_path / "probe.cpp"
+    source.write_text('extern "C" int dat_hf_probe() { return 42; }\n')
+    hung = tmp_path / "bin" / "hung-c++"  # a compiler that never finishes
+    hung.parent.mkdir()
+    hung.write_text("#!/bin/sh\nexec sleep 120\n")
+    hung.chmod(0o755)
+    return {"source": str(source), "cache": str(tmp_path / "cache"), "hung": str(hung)}
+
+
+def start_probe(probe, **env):
+    return subprocess.Popen([sys.executable, "-c", PROBE_CHILD, cpu_build.__file__, probe["cache"], probe["source"]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def wait_until_building(process, cache, seconds=60):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        holder = cpu_build.building_now(cache, "probe")
+        if holder is not None and list(Path(cache).glob(".probe.build-*")):
+            return holder
+        assert process.poll() is None, f"the builder exited early: {process.communicate()}"
+        time.sleep(0.05)
+    raise AssertionError("the build never started")
+
+
+@needs_cxx
+def test_killed_build_then_a_new_process_builds_within_a_bound(probe):
+    first = start_probe(probe, CXX=probe["hung"])
+    holder = wait_until_building(first, probe["cache"])
+    assert f"process {first.pid}" in holder
+    os.kill(first.pid, signal.SIGKILL)  # mid-build, as kill -9 (its compiler dies with it)
+    first.wait(10)
+    assert list(Path(probe["cache"]).glob(".probe.build-*")), "the killed build should have left its private folder"
+    assert cpu_build.building_now(probe["cache"], "probe") is None  # the OS released the dead builder's lock
+
+    start = time.monotonic()
+    second = start_probe(probe)
+    out, err = second.communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    assert second.returncode == 0, (out, err)
+    assert "RESULT 42 built=True" in out
+    assert elapsed < 60, f"the build after a killed one took {elapsed:.0f} s"
+    assert err.count("dat_hf: building") == 1 and "python -m dat_hf.kernels build" in err
+    assert "DAT_HF_CPU_KERNEL=0" in err
+    assert not list(Path(probe["cache"]).glob(".probe.build-*"))  # the dead build's leftovers are gone
+
+    third = start_probe(probe)  # built: loads with no build and no line
+    out, err = third.communicate(timeout=60)
+    assert "RESULT 42 built=False" in out and "dat_hf:" not in err
+
+
+@needs_cxx
+def test_a_live_builder_that_takes_too_long_ends_the_wait_with_its_name(probe):
+    first = start_probe(probe, CXX=probe["hung"])
+    try:
+        wait_until_building(first, probe["cache"])
+        lines = []
+        start = time.monotonic()
+        with pytest.raises(cpu_build.KernelBuildError, match=rf"process {first.pid} .*held the build lock"):
+            cpu_build.ensure_built(name="probe", sources=[probe["source"]], flags=["-O0", "-fPIC"],
+                                   root=probe["cache"], timeout=2, announce=lines.append)
+        assert time.monotonic() - start < 10
+        assert len(lines) == 1 and f"waiting for process {first.pid}" in lines[0]
+    finally:
+        first.kill()
+        first.wait()
+
+
+@needs_cxx
+def test_the_build_itself_is_bounded(probe):
+    lines = []
+    start = time.monotonic()
+    os.environ["CXX"], saved = probe["hung"], os.environ.get("CXX")
+    try:
+        with pytest.raises(cpu_build.KernelBuildError, match="did not finish within"):
+            cpu_build.ensure_built(name="probe", sources=[probe["source"]], flags=["-O0"], root=probe["cache"],
+                                   timeout=1.5, announce=lines.append)
+    finally:
+        os.environ.pop("CXX") if saved is None else os.environ.__setitem__("CXX", saved)
+    assert time.monotonic() - start < 10
+    assert len(lines) == 1 and lines[0].startswith("dat_hf: building")
+    assert cpu_build.built_library(probe["cache"], "probe") is None
+    assert not list(Path(probe["cache"]).glob(".probe.build-*"))  # a failed build cleans up after itself
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_build, "_STATE", {"loaded": False, "tried": False, "error": None})
+    monkeypatch.setenv("DAT_HF_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DAT_HF_CPU_KERNEL", raising=False)
+    return tmp_path / "cache"
+
+
+def test_no_compiler_on_path_falls_back_with_one_warning(fresh_state, monkeypatch, tmp_path, caplog):
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.delenv("CXX", raising=False)
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert cpu_build.build_extension() is False
+        assert cpu_build.build_extension() is False  # tried once: no second warning
+    messages = [r.getMessage() for r in caplog.records if r.name == cpu_build.__name__]
+    assert len(messages) == 1, messages
+    assert "no C++ compiler found" in messages[0] and "PyTorch backends" in messages[0]
+    assert "DAT_HF_CPU_KERNEL=0" in messages[0]
+    assert not fresh_state.exists()  # nothing was written
+
+
+def read_only_runner():
+    """argv prefix that runs a command unable to write a 0o555 folder (root ignores modes unless it drops
+    CAP_DAC_OVERRIDE), or None."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv"):
+        return ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    return None
+
+
+@pytest.mark.skipif(read_only_runner() is None, reason="running as root without setpriv: no read-only folder")
+def test_read_only_cache_falls_back_with_one_warning(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o555)
+    child = textwrap.dedent("""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("cpu_build", sys.argv[1])
+        cpu_build = importlib.util.module_from_spec(spec); spec.loader.exec_module(cpu_build)
+        print("LOADED", cpu_build.build_extension(), cpu_build.build_extension())
+    """)
+    env = {**os.environ, "DAT_HF_KERNEL_CACHE": str(cache / "sub"), "DAT_HF_CPU_KERNEL": "1"}
+    result = subprocess.run([*read_only_runner(), sys.executable, "-c", child, cpu_build.__file__],
+                            capture_output=True, text=True, env=env, timeout=120)
+    cache.chmod(0o755)
+    assert "LOADED False False" in result.stdout, result
+    lines = [line for line in result.stderr.splitlines() if "dat_hf" in line]
+    assert len(lines) == 1, result.stderr
+    assert "is not writable" in lines[0] and str(cache / "sub") in lines[0] and "DAT_HF_KERNEL_CACHE" in lines[0]
+    assert not (cache / "sub").exists()
+
+
+def test_cache_key_holds_the_instruction_set(tmp_path, monkeypatch):
+    base = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+    (tmp_path / "a").write_text(base)
+    (tmp_path / "b").write_text(base.replace("fma", "fma avx512f avx512bw"))
+    (tmp_path / "c").write_text("processor\t: 0\nflags\t\t: avx2 fma fpu avx sse sse2\n")  # same set, reordered
+    a, b, c = (cpu_build.cpu_instruction_set(tmp_path / n) for n in "abc")
+    assert a != b and a == c
+    monkeypatch.setattr(cpu_build, "cpu_instruction_set", lambda: b)
+    assert cpu_build.build_name().endswith("-" + b)
+    assert cpu_build.build_name().startswith("dat_hf_cpu_")
+
+
+@needs_cxx
+def test_build_ahead_then_a_fresh_process_neither_builds_nor_waits():
+    env = {**os.environ, "DAT_HF_CPU_KERNEL": "1"}
+    built = subprocess.run([sys.executable, "-m", "dat_hf.kernels", "build"], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+    assert built.returncode == 0, built.stderr
+    assert "built in" in built.stdout and cpu_build.build_name() in built.stdout
+    child = textwrap.dedent("""
+        import time
+        import torch
+        import dat_hf
+        from dat_hf.kernels.cpu import load_cpu_kernel
+        start = time.monotonic()
+        print("READY", load_cpu_kernel(), f"{time.monotonic() - start:.2f}")
+        x = torch.randn(3, 5)
+        print("SWIGLU", torch.allclose(torch.ops.dat_hf.swiglu_forward(x, x), torch.nn.functional.silu(x) * x))
+    """)
+    fresh = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, cwd=ROOT,
+                           timeout=300)
+    ready = [line.split() for line in fresh.stdout.splitlines() if line.startswith("READY")]
+    assert ready and ready[0][1] == "True", fresh.stderr
+    assert float(ready[0][2]) < 5, f"loading a built kernel took {ready[0][2]} s"
+    assert "SWIGLU True" in fresh.stdout
+    assert "dat_hf: building" not in fresh.stderr and "dat_hf: waiting" not in fresh.stderr
+    status = subprocess.run([sys.executable, "-m", "dat_hf.kernels", "status"], capture_output=True, text=True,
+                            env=env, cwd=ROOT, timeout=300)
+    fields = dict(line.split(None, 1) for line in status.stdout.splitlines() if line.strip())
+    assert fields["built"].endswith(".so") and fields["building_now"] == "None", status.stdout
+    assert fields["build"] == cpu_build.build_name()
+
+
+def test_status_of_an_empty_cache(tmp_path):
+    env = {**os.environ, "DAT_HF_KERNEL_CACHE": str(tmp_path)}
+    status = subprocess.run([sys.executable, "-m", "dat_hf.kernels", "status"], capture_output=True, text=True,
+                            env=env, cwd=ROOT, timeout=300)
+    fields = dict(line.split(None, 1) for line in status.stdout.splitlines() if line.strip())
+    assert status.returncode == 0, status.stderr
+    assert fields["cache"] == str(tmp_path) and fields["built"] == "None"
+    assert list(tmp_path.iterdir()) == []  # status writes nothing
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_killed_real_build_then_build_ahead_then_no_wait(tmp_path):
+    """The real kernels: a first forward's build killed with SIGKILL, `python -m dat_hf.kernels build` finishes
+    within 300 s on 2 loaded cores, and a fresh process then loads them without building."""
+    env = {**os.environ, "DAT_HF_KERNEL_CACHE": str(tmp_path), "DAT_HF_CPU_KERNEL": "1"}
+    first = subprocess.Popen([sys.executable, "-c", "import dat_hf; from dat_hf.kernels.cpu import load_cpu_kernel; "
+                              "load_cpu_kernel()"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".dat_hf_cpu_*.build-*/build.log")):
+        assert first.poll() is None and time.monotonic() < deadline, "the first process never started its build"
+        time.sleep(0.1)
+    time.sleep(2)  # compilers running
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    start = time.monotonic()
+    built = subprocess.run([sys.executable, "-m", "dat_hf.kernels", "build"], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=400)
+    elapsed = time.monotonic() - start
+    assert built.returncode == 0 and "built in" in built.stdout, built.stderr
+    assert elapsed < 300, elapsed
+    print(f"build after a killed build: {elapsed:.1f} s")
+    fresh = subprocess.run([sys.executable, "-c", "import dat_hf; from dat_hf.kernels.cpu import load_cpu_kernel; "
+                            "print('READY', load_cpu_kernel())"], env=env, cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert "READY True" in fresh.stdout and "dat_hf: building" not in fresh.stderr, fresh.stderr
