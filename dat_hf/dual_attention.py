@@ -24,16 +24,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache_dat import query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .masking_dat import AttentionMask
-<<<<<<< HEAD
-from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, per_head_symbols, relational_messages,
-                                   relational_weights, repeat_kv, select_relational_attention, symbol_rows)
-from .relational_attention_fused import flex_attention_forward
-=======
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, attend_with_fallback, per_head_symbols,
                                    relational_messages, relational_weights, repeat_kv, select_relational_attention,
                                    symbol_rows)
-from .relational_attention_fused import flex_inputs
->>>>>>> main
+from .relational_attention_fused import flex_attention_forward
 
 
 def rotate_half(x):
