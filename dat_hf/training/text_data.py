@@ -96,6 +96,8 @@ def train_bpe_tokenizer(
     Give `texts` (an iterable of strings) or `files` (paths read by `tokenizers`). Special tokens take the first ids:
     pad, bos, eos. With `add_bos_token` the tokenizer prepends bos to every encoded text (documents at training time
     and prompts at generation time then start the same way). Left padding suits batched generation.
+    (Kept beside `PreTrainedTokenizerFast.train_new_from_iterator`: that retrains an existing fast tokenizer, and none
+    can be downloaded offline; this builds one from nothing.)
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
