@@ -385,7 +385,7 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         """`set_attn_implementation` applies: every attention call goes through `ALL_ATTENTION_FUNCTIONS`
-        (`dual_attention.run_attention`). Transformers' own check reads only this file, finds `DATCrossAttention`
+        (`dual_attention.SensoryAttention.forward`). Transformers' own check reads only this file, finds `DATCrossAttention`
         and not the interface, and would refuse."""
         return True
 
