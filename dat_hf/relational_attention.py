@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .masking_dat import AttentionMask
-from .relational_attention_fused import flex_relational_attention, sdpa_relational_attention
+from .relational_attention_fused import flex_relational_attention, relational_output, sdpa_relational_attention
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,7 @@ def relational_messages(module, weights, relations, symbol_values, symbol_index=
         binned = weights.new_zeros(*weights.shape[:3], symbol_values.shape[0])
         binned.scatter_add_(-1, symbol_index.expand_as(weights), weights)
         attended_symbols = torch.einsum("bhqp,phd->bqhd", binned, symbol_values)
-    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations,
-                                           module.relation_proj.to(weights.dtype))
+    return relational_output(attended_symbols, attended_relations, module.relation_proj, weights.dtype)
 
 
 def per_head_symbols(module, symbol_values, batch_size: int):

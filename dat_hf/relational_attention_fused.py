@@ -33,6 +33,14 @@ FLEX_VALUE_CHUNK = 128
 WHOLE_VALUE_DEVICES = frozenset({"cpu"})
 
 
+def relational_output(attended_symbols, attended_relations, relation_proj, dtype=None):
+    """The one place of `A W_r`: A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h, from the attended
+    symbols `[b, q, h, d_h]` and attended relations `[b, q, h, R]`, with W_r `[h, d_h, R]` (in `dtype`, as given)
+    -> messages `[b, q, h, d_h]`."""
+    weight = relation_proj if dtype is None else relation_proj.to(dtype)
+    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, weight)
+
+
 def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> list[int]:
     """The widths of the value chunks FlexAttention gets, one call each: the whole width on CPU; elsewhere chunks no
     wider than `max(FLEX_VALUE_CHUNK, query width rounded up to a power of two)`. Each call recomputes the scores
@@ -117,8 +125,7 @@ def _fused_values_attention(interface: str, module, query, key, symbol_values, r
     attended_symbols, attended_keys = out.split([d, num_relations * relation_dim], dim=-1)  # out [b, q, h, d_v]
     attended_keys = attended_keys.reshape(b, q_len, h, num_relations, relation_dim)
     attended_relations = (attended_keys * relation_queries[:, :, None]).sum(-1) * relation_scaling  # [b, q, h, R]
-    # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
-    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, module.relation_proj.to(out.dtype))
+    return relational_output(attended_symbols, attended_relations, module.relation_proj, out.dtype)
 
 
 def sdpa_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
@@ -138,4 +145,5 @@ def flex_relational_attention(module, query, key, symbol_values, relation_querie
     return messages, None, None
 
 
-__all__ = ["flex_attention_forward", "flex_inputs", "flex_relational_attention", "flex_value_chunks", "sdpa_relational_attention"]
+__all__ = ["flex_attention_forward", "flex_inputs", "flex_relational_attention", "flex_value_chunks", "relational_output",
+           "sdpa_relational_attention"]

@@ -26,6 +26,7 @@ from torch import nn
 from .. import dual_attention
 from ..kernel_hooks import register_kernel
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
+from ..relational_attention_fused import relational_output
 from .autograd import relational_op_autograd
 from .cpu_build import build_extension
 
@@ -139,8 +140,7 @@ def cpu_relational_attention(module, query, key, symbol_values, relation_queries
     attended_symbols, attended_relations = relational_attention_op(
         query, key, symbol_values, relation_queries, relation_keys, attention_mask.is_causal, scaling,
         relation_scaling, attention_mask.mask)
-    # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
-    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, module.relation_proj), None, None
+    return relational_output(attended_symbols, attended_relations, module.relation_proj), None, None
 
 
 def supports_cpu(call: RelationalCall) -> str | None:

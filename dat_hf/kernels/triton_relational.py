@@ -61,6 +61,7 @@ import triton.language as tl
 
 from ..relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
                                     fused_values_limits)
+from ..relational_attention_fused import relational_output
 from .autograd import relational_op_autograd
 
 
@@ -721,8 +722,7 @@ def triton_relational_attention(module, query, key, symbol_values, relation_quer
         raise RelationalBackendUnavailable(
             f"The Triton relational attention kernel failed to compile or launch on {query.device} ({query.dtype}): "
             f"{type(error).__name__}: {error}") from error
-    # A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h
-    messages = attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, module.relation_proj.to(dtype))
+    messages = relational_output(attended_symbols, attended_relations, module.relation_proj, dtype)
     return messages, None, None
 
 
