@@ -433,7 +433,8 @@ def test_pipeline_with_remote_code_in_subprocess(saved_folder, tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         sys.modules["dat_hf"] = None  # `import dat_hf` fails
-        sys.path = [p for p in sys.path if not p.startswith({str(REPO)!r})]
+        # the checkout itself off the path (not its .venv/, where the packages may live)
+        sys.path = [p for p in sys.path if p.rstrip("/") != {str(REPO)!r}]
         from transformers import pipeline
         pipe = pipeline(model={str(saved_folder)!r}, trust_remote_code=True)
         out = pipe({INPUTS!r}, **{GEN!r}, return_tensors=True)
