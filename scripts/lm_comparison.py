@@ -146,6 +146,10 @@ def parse_args(argv=None):
     p.add_argument("--output_png", default="lm_comparison_perplexity.png", help="Perplexity vs tokens figure.")
     p.add_argument("--resume", action="store_true", help="Keep the runs already in --output_json and skip them.")
     p.add_argument("--plot_only", action="store_true", help="Only redraw the figure and print the table.")
+    p.add_argument("--timing_rounds", type=int, default=0,
+                   help="Instead of training runs: time this many training steps of each of --variants, "
+                        "interleaved (one step of each in turn, so that a shared machine's load hits all alike), and "
+                        "store the medians in the JSON's `timing`.")
     return p.parse_args(argv)
 
 
@@ -526,6 +530,49 @@ def ordered(values, reference):
     return [v for v in reference if v in values]
 
 
+def interleaved_timing(tokenizer, args) -> dict:
+    """Seconds per training step (forward, backward, clipping, AdamW) of each of --variants on the same batch of
+    --batch_size x --block_size tokens, the variants taking turns step by step for --timing_rounds rounds (after 3
+    warm-up rounds): {variant: {median, quartiles, microseconds_per_token}}."""
+    torch.manual_seed(0)
+    batch = torch.randint(0, len(tokenizer), (args.batch_size, args.block_size))
+    models, optimizers, times = {}, {}, {}
+    for variant in args.variants:
+        models[variant] = DATForCausalLM(variant_config(variant, tokenizer, args)).train()
+        optimizers[variant] = torch.optim.AdamW(models[variant].parameters(), lr=1e-4)
+        times[variant] = []
+    for round_ in range(args.timing_rounds + 3):
+        for variant, model in models.items():
+            start = time.perf_counter()
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizers[variant].step()
+            optimizers[variant].zero_grad(set_to_none=True)
+            if round_ >= 3:
+                times[variant].append(time.perf_counter() - start)
+    tokens = args.batch_size * args.block_size
+    return {v: {"median_seconds": round(float(np.median(t)), 6), "q1_seconds": round(float(np.percentile(t, 25)), 6),
+                "q3_seconds": round(float(np.percentile(t, 75)), 6),
+                "microseconds_per_token": round(1e6 * float(np.median(t)) / tokens, 3), "rounds": len(t),
+                "tokens_per_step": tokens, "threads": torch.get_num_threads()} for v, t in times.items()}
+
+
+def timing_table(timing: dict) -> str:
+    """Markdown table of the interleaved timing: µs per token (median, quartiles) and the ratio to the Transformer."""
+    lines = ["| model | µs / training token, median [quartiles] (interleaved steps) | vs Transformer |",
+             "|---|---|---|"]
+    base = timing.get("transformer", {}).get("median_seconds")
+    for variant in ordered(timing, VARIANTS):
+        t = timing[variant]
+        per_token = 1e6 / t["tokens_per_step"]
+        ratio = f"{t['median_seconds'] / base:.2f}x" if base else "-"
+        quartiles = f"[{t['q1_seconds'] * per_token:.1f}, {t['q3_seconds'] * per_token:.1f}]"
+        lines.append(f"| {VARIANT_NAMES[variant]} | {t['microseconds_per_token']:.1f} {quartiles} ({t['rounds']} steps) "
+                     f"| {ratio} |")
+    return "\n".join(lines)
+
+
 def summary_table(runs: list[dict]) -> str:
     """Markdown table per corpus and variant: final held-out perplexity mean +- std over seeds, paired difference to
     the Transformer (95% CI, perplexity and relative), parameters, time per token."""
@@ -633,7 +680,7 @@ def plot_perplexity(runs: list[dict], path: str):
 # ---- sweep -----------------------------------------------------------------------------------------------------------
 # settings that may differ between the invocations writing one JSON (each run records its corpus, variant and seed)
 PER_RUN = ("corpora", "variants", "seeds", "resume", "plot_only", "output_json", "output_png", "cache_dir", "use_cpu",
-           "bf16")
+           "bf16", "timing_rounds")
 
 
 def shared_settings(args) -> dict:
@@ -655,10 +702,11 @@ def load_saved(args) -> dict:
     return saved
 
 
-def save(path: str, args, corpora: dict, matched: dict, runs: list[dict]):
+def save(path: str, args, corpora: dict, matched: dict, runs: list[dict], timing: dict | None = None):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     payload = {"settings": shared_settings(args), "corpora": corpora, "matched_parameters": matched,
-               "total_cpu_hours": round(sum(r["cpu_seconds"] for r in runs) / 3600, 3), "runs": runs}
+               "total_cpu_hours": round(sum(r["cpu_seconds"] for r in runs) / 3600, 3), "timing": timing or {},
+               "runs": runs}
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -667,8 +715,19 @@ def save(path: str, args, corpora: dict, matched: dict, runs: list[dict]):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     transformers.utils.logging.set_verbosity_error()
+    if os.path.exists(args.output_json) and not (args.resume or args.plot_only):
+        raise FileExistsError(f"{args.output_json} exists: --resume continues it (or remove it to start over).")
     saved = load_saved(args) if args.resume or args.plot_only else {}
     runs, corpora_info, matched = saved.get("runs", []), saved.get("corpora", {}), saved.get("matched_parameters", {})
+    timing = saved.get("timing", {})
+    if args.timing_rounds and not args.plot_only:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        data = prepare_corpus(args.corpora[0], args)
+        timing.update(interleaved_timing(data["tokenizer"], args))
+        corpora_info.setdefault(args.corpora[0], data["info"])
+        save(args.output_json, args, corpora_info, matched, runs, timing)
+        print(timing_table(timing))
+        return runs
     if not args.plot_only:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         done = {(r["corpus"], r["variant"], r["seed"]) for r in runs}
@@ -693,16 +752,18 @@ def main(argv=None) -> list[dict]:
             if run is None:  # not the main process
                 continue
             runs.append(run)
-            save(args.output_json, args, corpora_info, matched, runs)
+            save(args.output_json, args, corpora_info, matched, runs, timing)
             print(f"[{i + 1}/{len(todo)}] {corpus} {variant} seed {seed}: perplexity {run['final_perplexity']:.2f} "
                   f"after {run['train_tokens']:,} tokens, {run['microseconds_per_token']:.1f} µs/token "
                   f"({run['wall_seconds']:.0f} s)", flush=True)
-        if todo and not int(os.environ.get("RANK", "0")) == 0:
-            return runs
+    if int(os.environ.get("RANK", "0")) != 0:  # the main process draws and prints
+        return runs
     if runs:
         plot_perplexity(runs, args.output_png)
         print(corpora_table(corpora_info))
         print(summary_table(runs))
+        if timing:
+            print(timing_table(timing))
         print(f"total CPU time of the runs: {sum(r['cpu_seconds'] for r in runs) / 3600:.2f} h")
     return runs
 

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from lm_helpers import REPO_ROOT as REPO
 from lm_helpers import import_script
 
 lmc = import_script("lm_comparison")
@@ -149,6 +150,9 @@ def test_sweep_json_png_table_resume_and_plot_only(tmp_path, capsys, monkeypatch
     assert sorted((r["variant"], r["seed"]) for r in resumed) == sorted([*by_key, ("dat-sensory", 0)])
     assert resumed[-1]["data_order_sha256"] == dat["data_order_sha256"]
 
+    # an existing JSON is continued with --resume, never overwritten
+    with pytest.raises(FileExistsError, match="--resume"):
+        lmc.main(smoke_args(tmp_path, "--seeds", "0"))
     # other shared settings cannot be mixed into the same JSON
     with pytest.raises(ValueError, match="other settings"):
         lmc.main(smoke_args(tmp_path, "--learning_rate", "1e-4", "--resume"))
@@ -161,6 +165,16 @@ def test_sweep_json_png_table_resume_and_plot_only(tmp_path, capsys, monkeypatch
               "--output_png", str(tmp_path / "perplexity.png")])
     assert (tmp_path / "perplexity.png").read_bytes()[:8] == PNG_MAGIC
     assert "| shakespeare | DAT |" in capsys.readouterr().out
+
+
+def test_interleaved_timing(tmp_path, capsys):
+    lmc.main(smoke_args(tmp_path, "--timing_rounds", "3"))
+    timing = json.loads((tmp_path / "runs.json").read_text())["timing"]
+    assert set(timing) == {"dat", "transformer"}
+    for t in timing.values():
+        assert t["rounds"] == 3 and t["tokens_per_step"] == 2 * 32
+        assert 0 < t["q1_seconds"] <= t["median_seconds"] <= t["q3_seconds"]
+    assert "| Transformer | " in capsys.readouterr().out
 
 
 def test_streamed_corpus(tmp_path):
@@ -180,6 +194,30 @@ def test_streamed_corpus(tmp_path):
     assert run["corpus"] == "hub" and run["epochs"] is None and len(run["evals"]) == 2
     info = json.loads((tmp_path / "runs.json").read_text())["corpora"]["hub"]
     assert info["validation_documents"] == 5 and info["eval_tokens"] == 8 * 32
+
+
+def test_committed_runs_give_the_documented_tables_and_figure(tmp_path, capsys):
+    """docs/language_modeling.md shows the tables the committed JSON gives, and the figure redraws from it alone;
+    the committed sweep has >= 3 seeds x 2 models x 2 corpora, each seed's pair on the same data and held-out tokens."""
+    runs_json = REPO / "docs" / "language_modeling" / "runs.json"
+    saved = json.loads(runs_json.read_text())
+    doc = (REPO / "docs" / "language_modeling.md").read_text()
+    assert lmc.summary_table(saved["runs"]) in doc
+    assert lmc.corpora_table(saved["corpora"]) in doc
+    pairs = {}
+    for run in saved["runs"]:
+        pairs.setdefault((run["corpus"], run["seed"]), {})[run["variant"]] = run
+    for corpus in ("shakespeare", "python-stdlib"):
+        complete = [p for (c, _), p in pairs.items() if c == corpus and {"dat", "transformer"} <= set(p)]
+        assert len(complete) >= 3, corpus
+        for pair in complete:
+            assert pair["dat"]["data_order_sha256"] == pair["transformer"]["data_order_sha256"]
+            assert pair["dat"]["eval_blocks_sha256"] == pair["transformer"]["eval_blocks_sha256"]
+            gap = pair["dat"]["parameters"]["non_embedding"] / pair["transformer"]["parameters"]["non_embedding"] - 1
+            assert abs(gap) < 0.01
+    lmc.main(["--plot_only", "--output_json", str(runs_json), "--output_png", str(tmp_path / "perplexity.png")])
+    assert (tmp_path / "perplexity.png").read_bytes()[:8] == PNG_MAGIC
+    assert lmc.summary_table(saved["runs"]) in capsys.readouterr().out
 
 
 @pytest.mark.slow
