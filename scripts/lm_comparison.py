@@ -608,6 +608,32 @@ def summary_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gap_table(runs: list[dict]) -> str:
+    """Markdown table: the paired relative difference to the Transformer (variant / Transformer - 1, in %) at each
+    evaluation, mean [95% CI] over the seeds both have."""
+    corpora = ordered({r["corpus"] for r in runs}, CORPORA)
+    tokens = sorted({e["tokens"] for r in runs for e in r["evals"]})
+    lines = ["| corpus | model | " + " | ".join(f"{t / 1000:,.0f}k tokens" for t in tokens) + " |",
+             "|---|---|" + "---|" * len(tokens)]
+    for corpus in corpora:
+        base = curves(runs, corpus, "transformer")
+        for variant in ordered({r["variant"] for r in runs if r["corpus"] == corpus}, VARIANTS):
+            if variant == "transformer" or not base:
+                continue
+            c = curves(runs, corpus, variant)
+            cells = []
+            for t in tokens:
+                rel = {}
+                for seed in set(c) & set(base):
+                    (tv, pv), (tb, pb) = c[seed], base[seed]
+                    if t in tv and t in tb:
+                        rel[seed] = 100 * (pv[list(tv).index(t)] / pb[list(tb).index(t)] - 1)
+                d = paired_difference(rel, dict.fromkeys(rel, 0.0))
+                cells.append(f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]" if d else "-")
+            lines.append(f"| {corpus} | {VARIANT_NAMES[variant]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def corpora_table(corpora: dict) -> str:
     """Markdown table of the corpora of the JSON: documents, held-out groups, tokens."""
     lines = ["| corpus | documents (training / held out) | held-out groups | training tokens | held-out tokens "
@@ -636,6 +662,7 @@ def plot_perplexity(runs: list[dict], path: str):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     corpora = ordered({r["corpus"] for r in runs}, CORPORA)
     variants = ordered({r["variant"] for r in runs}, VARIANTS)
@@ -661,6 +688,9 @@ def plot_perplexity(runs: list[dict], path: str):
                     bottom.fill_between(tokens, diffs.min(0), diffs.max(0), color=COLORS[variant], alpha=0.2)
         top.set_xscale("log")
         top.set_yscale("log")
+        top.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        top.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        top.tick_params(axis="y", which="minor", labelsize=7)
         top.set_title(corpus)
         top.set_ylabel("held-out perplexity")
         top.grid(alpha=0.3, which="both")
@@ -762,6 +792,7 @@ def main(argv=None) -> list[dict]:
         plot_perplexity(runs, args.output_png)
         print(corpora_table(corpora_info))
         print(summary_table(runs))
+        print(gap_table(runs))
         if timing:
             print(timing_table(timing))
         print(f"total CPU time of the runs: {sum(r['cpu_seconds'] for r in runs) / 3600:.2f} h")

@@ -204,6 +204,8 @@ def test_committed_runs_give_the_documented_tables_and_figure(tmp_path, capsys):
     doc = (REPO / "docs" / "language_modeling.md").read_text()
     assert lmc.summary_table(saved["runs"]) in doc
     assert lmc.corpora_table(saved["corpora"]) in doc
+    assert lmc.gap_table(saved["runs"]) in doc
+    assert set(saved["timing"]) >= {"dat", "transformer"} and lmc.timing_table(saved["timing"]) in doc
     pairs = {}
     for run in saved["runs"]:
         pairs.setdefault((run["corpus"], run["seed"]), {})[run["variant"]] = run
