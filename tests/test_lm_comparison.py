@@ -224,11 +224,12 @@ def test_committed_runs_give_the_documented_tables_and_figure(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_both_models_learn_shakespeare(tmp_path):
-    """One seed of the documented comparison at a twentieth of its budget: both models leave the unigram regime."""
-    runs = lmc.main(["--corpora", "shakespeare", "--seeds", "0", "--train_tokens", "65536", "--num_evals", "2",
+    """One seed of the documented comparison at a quarter of its budget: both models learn more than token
+    frequencies (held-out perplexity below 450, where the unigram distribution of the training split scores 556)."""
+    runs = lmc.main(["--corpora", "shakespeare", "--seeds", "0", "--train_tokens", "131072", "--num_evals", "2",
                      "--eval_blocks", "64", "--cache_dir", str(tmp_path / "cache"),
                      "--output_json", str(tmp_path / "runs.json"), "--output_png", str(tmp_path / "p.png")])
     assert {r["variant"] for r in runs} == {"dat", "transformer"}
     for run in runs:
         first, last = run["evals"][0]["perplexity"], run["evals"][-1]["perplexity"]
-        assert last < first and last < 400, run["evals"]
+        assert last < first and last < 450, run["evals"]
