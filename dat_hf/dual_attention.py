@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import AttentionInterface
 
 from .cache_dat import query_slot, ring_layer
 from .kernel_hooks import replaceable
@@ -28,6 +28,12 @@ from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, attend_with_f
                                    relational_messages, relational_weights, repeat_kv, select_relational_attention,
                                    symbol_rows)
 from .relational_attention_fused import flex_attention_forward
+
+
+# Transformers' attention functions, with DAT's FlexAttention call (one compiled `flex_attention` per device, static
+# shapes on CPU, DAT's masks and input copies) in place of theirs: a local override, as `AttentionInterface` documents
+DAT_ATTENTION_FUNCTIONS = AttentionInterface()
+DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
 
 
 def rotate_half(x):
@@ -180,9 +186,8 @@ class SensoryAttention(nn.Module):
         output_attentions = kwargs.get("output_attentions", False)
         attention_interface: Callable = eager_attention_forward
         if not output_attentions:  # fused kernels do not return weights
-            attention_interface = (flex_attention_forward if self.config._attn_implementation == "flex_attention"
-                                   else ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                              eager_attention_forward))
+            attention_interface = DAT_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                         eager_attention_forward)
         if mask.receiver_blocks is not None and not _takes_block_mask(attention_interface) and not output_attentions:
             # each block of receivers against the senders it may see (a sliding window, a block-sparse graph;
             # FlexAttention skips them with its BlockMask)

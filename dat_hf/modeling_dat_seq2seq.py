@@ -384,9 +384,9 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
-        """`set_attn_implementation` applies: every attention call goes through `ALL_ATTENTION_FUNCTIONS`
-        (`dual_attention.SensoryAttention.forward`). Transformers' own check reads only this file, finds `DATCrossAttention`
-        and not the interface, and would refuse."""
+        """`set_attn_implementation` applies: every attention call goes through an `AttentionInterface`
+        (`dual_attention.SensoryAttention.forward`). Transformers' own check reads only this file, finds
+        `DATCrossAttention` and not the interface, and would refuse."""
         return True
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
