@@ -222,12 +222,10 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
             cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
     elif isinstance(cache, StaticCache):
         for i, layer in enumerate(cache.layers):
-            if type(layer) in (StaticLayer, StaticSlidingWindowLayer) and _initialized_ahead(layer):
-                layer = type(layer)(layer.max_cache_len, **({"sliding_window": layer.max_cache_len}
-                                                         if type(layer) is StaticSlidingWindowLayer else {}))
-            if type(layer) is StaticLayer and not layer.is_initialized:
+            unused = not layer.is_initialized or _initialized_ahead(layer)
+            if type(layer) is StaticLayer and unused:
                 cache.layers[i] = DATStaticLayer(layer.max_cache_len)
-            elif type(layer) is StaticSlidingWindowLayer and not layer.is_initialized:
+            elif type(layer) is StaticSlidingWindowLayer and unused:
                 cache.layers[i] = (DATStaticLayer(None) if cross_attention  # (sized by the encoder's states)
                                    else DATStaticSlidingWindowLayer(layer.max_cache_len,
                                                                     sliding_window=layer.max_cache_len))
