@@ -14,26 +14,15 @@ Relational heads send, for receiver i and head h,
 through the relational attention interface (`relational_attention.py`: the reference and the named backends).
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.modeling_utils import AttentionInterface
 
+from .attention_plan import PlannedRelational, PlannedSensory, eager_attention_forward, eager_attention_weights
 from .cache_dat import query_slot, ring_layer
 from .kernel_hooks import replaceable
-from .masking_dat import AttentionMask
-from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, attend_with_fallback, per_head_symbols,
-                                   relational_messages, relational_weights, repeat_kv, select_relational_attention,
-                                   symbol_rows)
-from .relational_attention_fused import flex_attention_forward
-
-
-# Transformers' attention functions, with DAT's FlexAttention call (one compiled `flex_attention` per device, static
-# shapes on CPU, DAT's masks and input copies) in place of theirs: a local override, as `AttentionInterface` documents
-DAT_ATTENTION_FUNCTIONS = AttentionInterface()
-DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
+from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
+                                   relational_weights, repeat_kv)
 
 
 def rotate_half(x):
@@ -95,40 +84,17 @@ def fused_linear(linears, x):
     return torch.cat([linear(rows) for linear in linears], dim=-1).view(*x.shape[:-1], -1)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Softmax attention with explicit weights. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv,
-    d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` -> output `[b, q, h, d_v]`, weights
-    `[b, h, q, kv]`."""
-    weights = eager_attention_weights(module, query, key, attention_mask, scaling, dropout)
-    value = repeat_kv(value, module.num_key_value_groups)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-def eager_attention_weights(module, query, key, attention_mask, scaling, dropout=0.0):
-    """`softmax(scaling q k^T + mask)` (dropout in training): query `[b, h, q, d]`, key `[b, h_kv, kv, d]` -> `[b, h,
-    q, kv]`."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
-        else:
-            weights = weights + attention_mask
-    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.promote_types(weights.dtype, torch.float32))
-    return nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
-
-
 def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
     """`output_attentions`: every head's weights as one tensor `[b, h_s + h_r, q, kv]` (sensory heads first, zero
     rows for receivers without senders), from which both head types aggregate, so the weights returned are the ones
-    the outputs come from. `sensory_inputs` (query, key, value, mask) and `relational_inputs` (query, key, symbol
-    values, relation queries, relation keys, mask, relative_position_index, query_offset), for the head types the
-    layer has -> (output `[b, q, h_s * d_h + h_r * d_h]`, weights, relations `[b, R, q, kv]` or None)."""
+    the outputs come from. `sensory_inputs` (query, key, value, plan entry) and `relational_inputs` (query, key,
+    symbol values, relation queries, relation keys, plan entry, symbols_at), for the head types the layer has ->
+    (output `[b, q, h_s * d_h + h_r * d_h]`, weights, relations `[b, R, q, kv]` or None)."""
     parts, relations = [], None
     if sensory is not None:
         parts.append(sensory.attention_weights(*sensory_inputs))
     if relational is not None:
-        weights_r, relations = relational.attention_weights(*relational_inputs)
+        weights_r, relations = relational.attention_weights(*relational_inputs[:6])
         parts.append(weights_r)
     weights = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     outputs, heads = [], 0
@@ -136,22 +102,9 @@ def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
         heads = sensory.num_heads
         outputs.append(sensory.output_from_weights(weights[:, :heads], sensory_inputs[2]))
     if relational is not None:
-        outputs.append(relational.output_from_weights(weights[:, heads:], relations, *relational_inputs[2:]))
+        outputs.append(relational.output_from_weights(weights[:, heads:], relations, relational_inputs[2],
+                                                      relational_inputs[6]))
     return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0], weights, relations
-
-
-def _zero_isolated(mask: AttentionMask, out, weights):
-    """Receivers without any sender (isolated graph nodes, padded rows) send a zero message and report zero weights.
-    out `[b, q, h, d]`, weights `[b, h, q, kv]` or None."""
-    if mask.row_valid is None:
-        return out, weights
-    out = out * mask.row_valid.transpose(1, 2).to(out.dtype)
-    return out, (None if weights is None else weights * mask.row_valid.to(weights.dtype))
-
-
-def _takes_block_mask(attention_interface) -> bool:
-    """Whether an attention function is FlexAttention's, which takes the BlockMask and skips masked blocks itself."""
-    return attention_interface is flex_attention_forward
 
 
 class SensoryAttention(nn.Module):
@@ -182,49 +135,22 @@ class SensoryAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
 
-    def forward(self, query, key, value, mask: AttentionMask, **kwargs):
-        output_attentions = kwargs.get("output_attentions", False)
-        attention_interface: Callable = eager_attention_forward
-        if not output_attentions:  # fused kernels do not return weights
-            attention_interface = DAT_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                         eager_attention_forward)
-        if mask.receiver_blocks is not None and not _takes_block_mask(attention_interface) and not output_attentions:
-            # each block of receivers against the senders it may see (a sliding window, a block-sparse graph;
-            # FlexAttention skips them with its BlockMask)
-            out = mask.by_receiver_blocks(lambda block, receivers, senders: self._attend(
-                attention_interface, *receivers, *senders, block, **kwargs)[0], [(query, 2)], [(key, 2), (value, 2)])
-            weights = None
-        else:
-            out, weights = self._attend(attention_interface, query, key, value, mask, **kwargs)
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+    def forward(self, query, key, value, attention: PlannedSensory, **kwargs):
+        """`attention`: this forward's plan entry for the heads' bias (function and mask)."""
+        out = attention(self, query, key, value, self.attention_dropout if self.training else 0.0, **kwargs)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), None
 
-    def attention_weights(self, query, key, value, mask: AttentionMask):
+    def attention_weights(self, query, key, value, attention: PlannedSensory):
         """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders); see `attend_with_weights`."""
-        weights = eager_attention_weights(self, query, key, mask.dense(query.shape[2], key.shape[2], query.device),
+        weights = eager_attention_weights(self, query, key,
+                                          attention.weights_mask(query.shape[2], key.shape[2], query.device),
                                           self.scaling, self.attention_dropout if self.training else 0.0)
-        return weights if mask.row_valid is None else weights * mask.row_valid.to(weights.dtype)
+        return weights if attention.row_valid is None else weights * attention.row_valid.to(weights.dtype)
 
     def output_from_weights(self, weights, value):
         """weights `[b, h, q, kv]`, value `[b, h_kv, kv, d_h]` -> output `[b, q, h * d_h]`."""
         out = torch.matmul(weights, repeat_kv(value, self.num_key_value_groups)).transpose(1, 2)
         return self.o_proj(out.reshape(*out.shape[:2], -1))
-
-    def _attend(self, attention_interface, query, key, value, mask: AttentionMask, **kwargs):
-        flex = _takes_block_mask(attention_interface)
-        if not (flex and mask.block_mask is not None):  # (a BlockMask is sized for every slot, skips the empty ones)
-            senders = mask.senders_in_view(query.shape[2], key.shape[2])
-            key, value = key[:, :, :senders], value[:, :, :senders]
-        if attention_interface is eager_attention_forward:
-            attention_mask = mask.dense(query.shape[2], key.shape[2], query.device)
-        elif flex:
-            attention_mask = mask.block_mask if mask.block_mask is not None else mask.mask
-        else:  # (a BlockMask may be there for FlexAttention relational heads beside these sensory heads)
-            attention_mask = mask.mask
-        out, weights = attention_interface(
-            self, query, key, value, attention_mask, scaling=self.scaling,
-            dropout=self.attention_dropout if self.training else 0.0, is_causal=mask.is_causal, **kwargs,
-        )
-        return _zero_isolated(mask, out, weights)
 
 
 class RelationalAttention(nn.Module):
@@ -233,10 +159,8 @@ class RelationalAttention(nn.Module):
     `forward` takes the attention query `[b, h, q, d_h]` and key `[b, h_kv, kv, d_h]` (RoPE applied), symbol values
     (`[b|1, h_kv, kv, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols; see
     `project_symbols`), relation queries `[b, q, R, d_r]` and relation keys `[b, kv, R, d_r]` (`DualAttention`
-    projects them all), runs the backend that `select_relational_attention` picks (the next one if its kernel fails:
-    `attend_with_fallback`) and projects: -> output `[b, q, h * d_h]`, attention weights `[b, h, q, kv]` and
-    relations `[b, R, q, kv]` (both only when `output_attentions`). The backend of the last call is
-    `relational_attention_backend`.
+    projects them all), runs the backend this forward's plan entry holds (`attention_plan.PlannedRelational`) and
+    projects: -> output `[b, q, h * d_h]`. The backend of the last call is `relational_attention_backend`.
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -273,90 +197,99 @@ class RelationalAttention(nn.Module):
         self.relation_proj = nn.Parameter(torch.empty(self.num_heads, hd, self.num_relations))  # W_r [h, d_h, R]
         self.o_proj = nn.Linear(self.num_heads * hd, self.num_heads * hd, bias=config.attention_out_bias)
         self.o_proj.residual_init = True
+        self.spec = RelationalSpec(self.num_key_value_groups, self.scaling, self.relation_scaling, self.relation_act)
 
     def project_symbols(self, symbols):
         """The position-relative symbol table `[2K + 1, d]` -> symbol values `[2K + 1, h_kv, d_h]`."""
         return self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
 
-    def forward(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
-                relative_position_index=None, query_offset=None, **kwargs):
-        """`relative_position_index` (optional, long `[q, kv]`): the row of the position-relative symbol table used by
-        each (receiver, sender) pair, replacing the 1-D clipped offset `j - i` (e.g. 2-D offsets on an image grid);
-        `query_offset`: the cache index of the first receiver (default `kv - q`)."""
-        output_attentions = kwargs.get("output_attentions", False)
+    def symbols_at(self, query_offset=None, ring: int | None = None, relative_position_index=None):
+        """Where receivers read the position-relative symbol table (None for symbols per sender): `query_offset`, the
+        first receiver's index among the keys (default kv - q); `ring`, keys in a ring of that many slots;
+        `relative_position_index` (long `[q, kv]`), precomputed rows (e.g. 2-D offsets on an image grid)."""
+        if not self.relative_symbols:
+            return None
+        return RelativeSymbols(self.max_relative_position, query_offset, ring, relative_position_index)
 
-        def attend(backend):  # (run by `attend_with_fallback`: again with the next backend if a kernel fails)
-            takes_window = mask.window is not None and RELATIONAL_ATTENTION_FUNCTIONS[backend].takes_sliding_window
-            if mask.receiver_blocks is not None and backend != "flex_attention" and not (
-                    output_attentions or self.relative_symbols or takes_window):
-                # each block of receivers against the senders it may see (a sliding window, a block-sparse graph),
-                # unless the backend takes the sliding window itself (one call over the whole sequence)
-                def attend_block(block, receivers, senders):
-                    (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
-                    return self._attend(backend, query_part, key_part, symbol_part, relation_query_part,
-                                        relation_key_part, block)[0]
+    def forward(self, query, key, symbol_values, relation_queries, relation_keys, attention: PlannedRelational,
+                symbols_at: RelativeSymbols | None = None, **kwargs):
+        """`attention`: this forward's plan entry for the heads' bias (backend and mask); `symbols_at`: see
+        `symbols_at`."""
+        messages = attention(query, key, symbol_values, relation_queries, relation_keys, self.relation_proj, self.spec,
+                             self.attention_dropout if self.training else 0.0, symbols_at)
+        if not torch.compiler.is_compiling():  # (after the call: a failed kernel gives way to the next backend)
+            self.relational_attention_backend = attention.name
+        return self.o_proj(messages.reshape(*messages.shape[:2], -1)), None, None
 
-                messages = mask.by_receiver_blocks(attend_block, [(query, 2), (relation_queries, 1)],
-                                                   [(key, 2), (symbol_values, 2), (relation_keys, 1)])
-                return messages, None, None
-            return self._attend(backend, query, key, symbol_values, relation_queries, relation_keys, mask,
-                                output_attentions, relative_position_index, query_offset)
-
-        messages, weights, relations = attend_with_fallback(self, query, mask, output_attentions, attend)
-        return self.o_proj(messages.reshape(*messages.shape[:2], -1)), weights, relations
-
-    def attention_weights(self, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
-                          relative_position_index=None, query_offset=None):
+    def attention_weights(self, query, key, symbol_values, relation_queries, relation_keys,
+                          attention: PlannedRelational):
         """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders) and relations `[b, R, q, kv]`;
         see `attend_with_weights`."""
-        select_relational_attention(self, query, mask, output_attentions=True)  # the reference's stages ("eager")
+        if not torch.compiler.is_compiling():
+            self.relational_attention_backend = "eager"  # (the reference's stages)
         weights, relations = relational_weights(
-            self, query, repeat_kv(key, self.num_key_value_groups), relation_queries, relation_keys,
-            mask.dense(query.shape[2], key.shape[2], query.device), self.scaling, self.relation_scaling,
+            query, repeat_kv(key, self.num_key_value_groups), relation_queries, relation_keys,
+            attention.weights_mask(query.shape[2], key.shape[2], query.device), self.spec,
             self.attention_dropout if self.training else 0.0)
-        return (weights if mask.row_valid is None else weights * mask.row_valid.to(weights.dtype)), relations
+        return (weights if attention.row_valid is None else weights * attention.row_valid.to(weights.dtype)), relations
 
-    def output_from_weights(self, weights, relations, symbol_values, relation_queries=None, relation_keys=None,
-                            mask=None, relative_position_index=None, query_offset=None):
+    def output_from_weights(self, weights, relations, symbol_values, symbols_at: RelativeSymbols | None = None):
         """Messages from explicit weights `[b, h, q, kv]` and relations, projected: -> `[b, q, h * d_h]`."""
         b, _, q_len, kv_len = weights.shape
-        symbol_index = symbol_rows(self, relative_position_index, query_offset, 0, q_len, q_len, kv_len,
-                                   weights.device)
-        messages = relational_messages(self, weights, relations, per_head_symbols(self, symbol_values, b),
-                                       symbol_index)
+        symbol_index = None if symbols_at is None else symbols_at.rows(0, q_len, q_len, kv_len, weights.device)
+        messages = relational_messages(weights, relations, per_head_symbols(symbol_values, self.num_key_value_groups, b),
+                                       self.relation_proj, symbol_index)
         return self.o_proj(messages.reshape(b, q_len, -1))
 
-    def _attend(self, backend, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
-                output_attentions=False, relative_position_index=None, query_offset=None):
-        if backend != "flex_attention":  # (a BlockMask is sized for every slot, and skips the empty ones itself)
-            senders = mask.senders_in_view(query.shape[2], key.shape[2])
-            key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
-            if not self.relative_symbols:
-                symbol_values = symbol_values[:, :, :senders]
-            elif relative_position_index is not None:  # (a ring's rows of the table, one per slot)
-                relative_position_index = relative_position_index[..., :senders]
-        messages, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
-            self, query, key, symbol_values, relation_queries, relation_keys, mask, scaling=self.scaling,
-            relation_scaling=self.relation_scaling, dropout=self.attention_dropout if self.training else 0.0,
-            output_attentions=output_attentions, relative_position_index=relative_position_index,
-            query_offset=query_offset,
-        )
-        messages, weights = _zero_isolated(mask, messages, weights)
-        return messages, weights, relations
+
+class PackedCache:
+    """The layout of one cache layer for a layer's heads, the same for self- and cross-attention: keys `[b, h_kv_r +
+    h_kv_s, n, d_h]` (relational heads first; none of the sensory heads' when they share the relational heads' keys)
+    and one flat value slot `[b, 1, n, width]` = sensory values | symbol values | relation keys (those the layer
+    has; no symbol values for position-relative symbols, whose table is not cached), so that keys and values keep
+    their own head counts through `Cache.update`."""
+
+    def __init__(self, sensory, relational, head_dim: int, shared_keys: bool = False):
+        self.head_dim = head_dim
+        self.key_heads = tuple(m.num_kv_heads for m in (relational, sensory)
+                               if m is not None and not (m is sensory and shared_keys))
+        value_heads = (sensory.num_kv_heads,) if sensory is not None else ()  # (0: relation keys `[b, n, R, d_r]`)
+        if relational is not None:
+            value_heads += ((relational.num_kv_heads,) if not relational.relative_symbols else ()) + (0,)
+            self.relation_shape = (relational.num_relations, relational.relation_dim)
+        self.value_heads = value_heads
+        self.value_widths = tuple(h * head_dim if h else self.relation_shape[0] * self.relation_shape[1]
+                                  for h in value_heads)
+
+    def pack(self, keys: list, values: list):
+        """Keys `[b, h_kv, n, d_h]` in `key_heads` order and flat values `[b, n, width]` in `value_heads` order ->
+        (keys `[b, sum h_kv, n, d_h]`, values `[b, 1, n, sum width]`)."""
+        return (torch.cat(keys, dim=1) if len(keys) > 1 else keys[0],
+                (torch.cat(values, dim=-1) if len(values) > 1 else values[0])[:, None])
+
+    def unpack(self, key_cache, value_cache):
+        """-> (keys per head type `[b, h_kv, N, d_h]`, values: see `views`)."""
+        return self.views(key_cache, value_cache[:, 0].split(self.value_widths, dim=-1))
+
+    def views(self, key_cache, values: list):
+        """Keys `[b, sum h_kv, N, d_h]` and flat values `[b, N, width]` (not packed: no cache) -> (keys per head type
+        `[b, h_kv, N, d_h]`, values: sensory values and symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R,
+        d_r]`, those the layer has, in that order)."""
+        return key_cache.split(self.key_heads, dim=1), [
+            part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
+            else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
 
 
 class DualAttention(nn.Module):
     """Sensory heads and relational heads side by side; their outputs are concatenated (as in the reference).
 
     Every projection of the layer input (attention queries and keys of both head types, sensory values, relation
-    queries and keys) is one matrix product (`fused_linear`), and RoPE rotates all queries and keys at once.
-    One cache layer per DAT layer holds both head types: keys `[b, h_kv_s + h_kv_r, n, d_h]` and one flat value slot
-    `[b, 1, n, h_kv_s * d_h + h_kv_r * d_h + R * d_r]` (sensory values | symbol values | relation keys), split
-    after `Cache.update`.
+    queries and keys) is one matrix product (`fused_linear`), and RoPE rotates all queries and keys at once. One cache
+    layer per DAT layer holds both head types (`PackedCache`).
 
-    hidden_states `[b, n, d]`, symbols `[b|1, n, d]` (or the position-relative table) -> output `[b, n, d]`, weights
-    `[b, h_s + h_r, n, kv]` (sensory heads first) and relations `[b, R, n, kv]` (both only with
-    `output_attentions`, which comes in the kwargs as in Transformers and goes on to both head types).
+    hidden_states `[b, n, d]`, symbols `[b|1, n, d]` (or the position-relative table), this forward's plan entries of
+    the two head types' biases -> output `[b, n, d]`, weights `[b, h_s + h_r, n, kv]` (sensory heads first) and
+    relations `[b, R, n, kv]` (both only with `output_attentions`, which comes in the kwargs as in Transformers).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -371,24 +304,18 @@ class DualAttention(nn.Module):
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
         self.head_dim = config.head_dim
-        # packing layout of the cache: key heads [relational | sensory], values [sensory | symbol values | relation
-        # keys] (heads per value part; 0 = a flat `[b, N, width]` part)
         rel, sen = self.relational, self.sensory
+        self.packed = PackedCache(sen, rel, self.head_dim, self.share_qk)
         own_qk = [m for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
-        self._key_heads = tuple(m.num_kv_heads for m in own_qk)
         self._query_heads = tuple(m.num_heads for m in own_qk)
-        self._key_heads_total = sum(self._key_heads)
-        self._value_heads = ((sen.num_kv_heads,) if sen is not None else ()) + (
-            ((rel.num_kv_heads,) if not rel.relative_symbols else ()) + (0,) if rel is not None else ())
-        self._value_widths = tuple(heads * self.head_dim if heads else rel.num_relations * rel.relation_dim
-                                   for heads in self._value_heads)
+        self._key_heads_total = sum(self.packed.key_heads)
         # the projections of the layer input, in the order of the fused output: keys [relational | sensory], queries
         # [relational | sensory], sensory values, relation queries, relation keys; as (owner, attribute) pairs, looked
         # up per call (adapters such as PEFT's replace the modules)
         names = {"relational": ("k_attn_proj", "q_attn_proj"), "sensory": ("k_proj", "q_proj")}
         owners = ["relational" if m is rel else "sensory" for m in own_qk]
         self._input_projections = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
-        self._input_widths = [(sum(self._key_heads) + sum(self._query_heads)) * self.head_dim]
+        self._input_widths = [(self._key_heads_total + sum(self._query_heads)) * self.head_dim]
         if sen is not None:
             self._input_projections.append(("sensory", "v_proj"))
             self._input_widths.append(sen.num_kv_heads * self.head_dim)
@@ -399,7 +326,7 @@ class DualAttention(nn.Module):
         # (tuples: Dynamo guards them as constants, and can skip a layer's guards whole while its dicts are unchanged)
         self._input_projections, self._input_widths = tuple(self._input_projections), tuple(self._input_widths)
 
-    def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
+    def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
@@ -415,57 +342,52 @@ class DualAttention(nn.Module):
         values = []  # flat `[b, n, width]`: sensory values, symbol values, relation keys (those the layer has)
         if sensory is not None:
             values.append(parts.pop(0))
+        symbols_at = None
         if relational is not None:
             relation_queries = parts[0].view(b, n, relational.num_relations, relational.relation_dim)
             # relation keys `[b, n, R * d_r]` (the relation queries themselves for symmetric relations)
             if relational.relative_symbols:
                 symbol_values = relational.project_symbols(symbols)  # the per-offset table, not cached
+                # the receivers' index among the cached keys (a static cache is longer, a sliding one starts later,
+                # a ring's keys are in slot order; a copy: a static layer counts its length in a tensor the update
+                # increments)
+                query_offset = ring = None
+                if cache is not None:
+                    query_offset = torch.as_tensor(query_slot(cache, self.layer_idx, n)).clone()
+                    ring = ring_layer(cache, self.layer_idx)
+                symbols_at = relational.symbols_at(query_offset, None if ring is None else ring.max_cache_len,
+                                                   relative_position_index)
             else:
                 values.append(relational.symbol_proj(symbols).expand(b, n, -1))
             values.append(parts[-1])
-        # position-relative symbols need the receivers' index among the cached keys (a static cache is longer, a
-        # sliding one starts later; a copy: a static layer counts its length in a tensor the update increments)
-        query_offset = ring = None
-        if cache is not None and relational is not None and relational.relative_symbols:
-            query_offset = torch.as_tensor(query_slot(cache, self.layer_idx, n)).clone()
-            ring = ring_layer(cache, self.layer_idx)
         if cache is not None:
-            value_cache = torch.cat(values, dim=-1) if len(values) > 1 else values[0]
-            key_cache, value_cache = cache.update(key_cache, value_cache[:, None], self.layer_idx)
-            values = value_cache[:, 0].split(self._value_widths, dim=-1)
-        if ring is not None:  # keys in slot order: the senders' offsets modulo the ring
-            relative_position_index = symbol_rows(relational, None, query_offset, 0, n, n, key_cache.shape[-2],
-                                                  hidden_states.device, ring.max_cache_len)
-        values = self._value_views(values)  # [sensory values | symbol values] `[b, h_kv, N, d_h]`, relation keys
-        keys = key_cache.split(self._key_heads, dim=1)
+            keys, values = self.packed.unpack(*cache.update(*self.packed.pack([key_cache], values), self.layer_idx))
+        else:
+            keys, values = self.packed.views(key_cache, values)
         queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)
         # with shared attention parameters the sensory heads use the relational heads' queries and keys
         q_r, k_r = queries[0], keys[0]
         q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
-
         if relational is not None and not relational.relative_symbols:
             symbol_values = values[-2]
-        sensory_inputs = (q_s, k_s, values[0], sensory_mask) if sensory is not None else None
-        relational_inputs = (q_r, k_r, symbol_values, relation_queries, values[-1], relational_mask,
-                             relative_position_index, query_offset) if relational is not None else None
-        if kwargs.get("output_attentions", False):
-            return attend_with_weights(sensory, relational, sensory_inputs, relational_inputs)
-        outputs = []
-        if sensory is not None:
-            outputs.append(sensory(*sensory_inputs, **kwargs)[0])
-        if relational is not None:
-            outputs.append(relational(*relational_inputs[:6], relative_position_index=relative_position_index,
-                                      query_offset=query_offset, **kwargs)[0])
-        return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
-
-    def _value_views(self, parts):
-        """Flat values `[b, N, width]` (cached as one `[b, 1, N, sum of widths]` slot) -> sensory values and symbol
-        values `[b, h_kv, N, d_h]`, relation keys `[b, N, R, d_r]` (those the layer has, in that order)."""
-        rel = self.relational
-        return [part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
-                else part.view(*part.shape[:2], rel.num_relations, rel.relation_dim)
-                for heads, part in zip(self._value_heads, parts)]
+        sensory_inputs = (q_s, k_s, values[0], sensory_plan) if sensory is not None else None
+        relational_inputs = (q_r, k_r, symbol_values, relation_queries, values[-1], relational_plan,
+                             symbols_at) if relational is not None else None
+        return dual_attention_outputs(sensory, relational, sensory_inputs, relational_inputs, **kwargs)
 
 
-__all__ = ["DualAttention", "SensoryAttention", "RelationalAttention", "DATRotaryEmbedding", "apply_rotary",
-           "eager_attention_forward", "fused_linear"]
+def dual_attention_outputs(sensory, relational, sensory_inputs, relational_inputs, **kwargs):
+    """Both head types' outputs, concatenated (sensory first): one call each, or `attend_with_weights` for
+    `output_attentions` -> (output `[b, q, h_s * d_h + h_r * d_h]`, weights or None, relations or None)."""
+    if kwargs.get("output_attentions", False):
+        return attend_with_weights(sensory, relational, sensory_inputs, relational_inputs)
+    outputs = []
+    if sensory is not None:
+        outputs.append(sensory(*sensory_inputs, **kwargs)[0])
+    if relational is not None:
+        outputs.append(relational(*relational_inputs)[0])
+    return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
+
+
+__all__ = ["DualAttention", "PackedCache", "SensoryAttention", "RelationalAttention", "DATRotaryEmbedding",
+           "apply_rotary", "dual_attention_outputs", "eager_attention_forward", "fused_linear"]

@@ -20,6 +20,7 @@ the blocks' masks come from Transformers' index functions, O(n * window)).
 """
 
 import bisect
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -56,6 +57,14 @@ def cut(x: torch.Tensor, dim: int, ranges) -> tuple:
     if x.requires_grad and torch.is_grad_enabled():
         return _Cut.apply(x, dim, list(ranges))
     return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
+
+
+def receiver_positions(q_len: int, kv_len: int, device, offset=None, start: int = 0, end: int | None = None):
+    """The one definition of where receivers sit among the keys: receivers [start, end) of `q_len` new tokens over
+    `kv_len` keys are at `offset + i`, `offset` the first receiver's index among the keys (default `kv - q`: the new
+    tokens are the last keys) -> long `[end - start]`."""
+    end = q_len if end is None else end
+    return torch.arange(start, end, device=device) + (kv_len - q_len if offset is None else offset)
 
 
 class AttentionMask:
@@ -131,17 +140,6 @@ class AttentionMask:
             return AttentionMask(self._window_blocks[key], row_valid, False)
         return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 
-    def by_receiver_blocks(self, attend, receivers, senders) -> torch.Tensor:
-        """`attend(block, receiver_parts, sender_parts)` for each of `receiver_blocks` (q0, q1, kv0, kv1), where
-        `block` = `self.block(q0, q1, kv0, kv1)` and the parts are the `(tensor, dim)` pairs of `receivers` cut to
-        [q0, q1) and of `senders` cut to [kv0, kv1) along `dim`; each output `[b, q1 - q0, ...]`, concatenated over
-        the receivers."""
-        blocks = self.receiver_blocks
-        receiver_parts = [cut(t, dim, [(q0, q1) for q0, q1, _, _ in blocks]) for t, dim in receivers]
-        sender_parts = [cut(t, dim, [(kv0, kv1) for _, _, kv0, kv1 in blocks]) for t, dim in senders]
-        return torch.cat([attend(self.block(*blocks[i]), [parts[i] for parts in receiver_parts],
-                                 [parts[i] for parts in sender_parts]) for i in range(len(blocks))], dim=1)
-
     def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None):
         """The mask of receivers [start, end) (default: all) as an explicit tensor for code that forms its own scores:
         bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked."""
@@ -152,13 +150,8 @@ class AttentionMask:
             return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
         if not self.is_causal or q_len == 1:
             return None
-        positions = torch.arange(start, end, device=device)[:, None]  # receiver i sees senders j <= i
+        positions = receiver_positions(q_len, kv_len, device, 0, start, end)[:, None]  # sees senders j <= its position
         return (torch.arange(kv_len, device=device)[None, :] <= positions)[None, None]
-
-    def senders_in_view(self, q_len: int, kv_len: int) -> int:
-        """How many senders (from the first) any receiver can see: `q_len` for an implicit causal mask over more
-        senders (a prefill into a static cache, whose later slots are empty), else `kv_len`."""
-        return q_len if not self.masked and self.is_causal and 1 < q_len < kv_len else kv_len
 
 
 def _token_positions(attention_mask):
@@ -352,17 +345,15 @@ def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=No
     return AttentionMask(mask, row_valid, is_causal, block_mask, blocks)
 
 
-class _MaskFormat:
-    """A config as `masking_utils` reads it, with the attention implementation whose mask format is wanted (and the
-    window of its sliding-window masks)."""
+@dataclass(frozen=True)
+class MaskBuilderConfig:
+    """What Transformers' mask builders (`masking_utils`) read of a config, and nothing else: the implementation
+    whose mask format is wanted, the causal flag and the window of sliding-window masks (Transformers' convention:
+    the senders up to and including the receiver)."""
 
-    def __init__(self, config, attn_implementation: str, sliding_window: int | None = None):
-        self._config = config
-        self._attn_implementation = attn_implementation
-        self.sliding_window = sliding_window
-
-    def __getattr__(self, name):
-        return getattr(self._config, name)
+    _attn_implementation: str
+    sliding_window: int | None = None
+    is_causal: bool = True
 
 
 def _block_mask_of(allowed: torch.Tensor):
@@ -382,10 +373,10 @@ def uses_flex_attention(config) -> bool:
 
 def _both_formats(create, config, sliding_window=None, **kwargs):
     """(dense mask, BlockMask or None) from a `masking_utils` mask function."""
-    dense = create(config=_MaskFormat(config, "sdpa", sliding_window), **kwargs)
+    dense = create(config=MaskBuilderConfig("sdpa", sliding_window), **kwargs)
     block = None
     if uses_flex_attention(config):
-        block = create(config=_MaskFormat(config, "flex_attention", sliding_window), **kwargs)
+        block = create(config=MaskBuilderConfig("flex_attention", sliding_window), **kwargs)
     return dense, block
 
 
@@ -417,7 +408,7 @@ def build_attention_mask(
                                                        cache, position_ids) if receiver_blocks else None
         if blockwise is not None:
             if uses_flex_attention(config):  # FlexAttention heads skip the masked blocks with a BlockMask
-                blockwise.block_mask = create(config=_MaskFormat(config, "flex_attention", window), **inputs)
+                blockwise.block_mask = create(config=MaskBuilderConfig("flex_attention", window), **inputs)
             return blockwise
         dense, block = _both_formats(create, config, window, **inputs)
         ring = ring_layer(cache)  # (a one-token step over a ring cache: its keys in slot order)

@@ -50,6 +50,7 @@ from .input_validation import (
     validate_text_inputs,
     validate_token_classification,
 )
+from .attention_plan import AttentionPlan, gradients_flow
 from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
@@ -139,10 +140,10 @@ class DATDecoderLayer(GradientCheckpointingLayer):
         self.mlp = DATMLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states, symbols, position_embeddings=None, sensory_mask=None, relational_mask=None,
+    def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, **kwargs):
         def attend(x):
-            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, cache,
+            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_plan, relational_plan, cache,
                                        **kwargs)
             return self.dropout(out)
 
@@ -177,18 +178,24 @@ def add_positions(module, hidden_states, position_ids, position_embedding_type):
     return hidden_states, None
 
 
-def build_layer_masks(config, inputs_embeds, attention_mask, cache=None, position_ids=None,
-                      graph_adjacency=None, causal=True):
-    """Every layer's (sensory, relational) biases and their masks, each distinct bias built once per forward (or
-    given: a dict `{bias: mask}` from `create_masks_for_generate`)."""
+def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=None, graph_adjacency=None,
+                causal=True, output_attentions=False):
+    """Every layer's (sensory, relational) biases and this forward's attention plan: each distinct bias's mask built
+    once (or given: a dict `{bias: mask}` from `create_masks_for_generate`), its function chosen once per head type
+    (`AttentionPlan`)."""
+    config = model.config
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
     if isinstance(attention_mask, dict):
-        return layer_biases, prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
-    validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
-    masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
-                        causal=causal)
-    return layer_biases, masks
+        masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
+    else:
+        validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
+        masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
+                            causal=causal)
+    plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds),
+                               model.training, [sensory for sensory, _ in layer_biases],
+                               [relational for _, relational in layer_biases])
+    return layer_biases, plan
 
 
 def starts_cache(model, use_cache, cache) -> bool:
@@ -211,9 +218,9 @@ def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_le
     return position_ids, (position_ids if positions_given else None)
 
 
-def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, masks, **layer_kwargs):
+def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, plan, **layer_kwargs):
     """The DAT stack shared by every model family: each layer gets its symbols (computed once when shared and
-    feature-independent) and the masks of its biases. The first `len(layer_biases)` layers run (a config's
+    feature-independent) and the plan entries of its biases. The first `len(layer_biases)` layers run (a config's
     `num_hidden_layers`, which Transformers lowers for the drafts of self-speculative decoding). `[b, n, d]` ->
     `[b, n, d]`."""
     symbols = None
@@ -223,8 +230,8 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
         layer_symbols = symbols
         if symbol_retrievers is not None and layer_symbols is None:
             layer_symbols = symbol_retrievers(i, hidden_states, position_ids)
-        hidden_states = layer(hidden_states, layer_symbols, sensory_mask=masks[sensory_bias],
-                              relational_mask=masks[relational_bias], **layer_kwargs)
+        hidden_states = layer(hidden_states, layer_symbols, sensory_plan=plan.sensory[sensory_bias],
+                              relational_plan=plan.relational[relational_bias], **layer_kwargs)
     return hidden_states
 
 
@@ -495,10 +502,10 @@ class DATModel(DATPreTrainedModel):
                                                            self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, cache,
-                                                mask_positions, graph_adjacency, causal=self.is_causal)
+        layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, cache, mask_positions, graph_adjacency,
+                                         self.is_causal, kwargs.get("output_attentions", False))
         hidden_states = run_dat_layers(
-            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, plan,
             position_embeddings=position_embeddings, cache=cache, **kwargs,
         )
         hidden_states = self.norm(hidden_states)

@@ -39,7 +39,9 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_dat import DualAttentionConfig
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .cache_dat import check_cache, prepare_cache
-from .dual_attention import DualAttention, RelationalAttention, SensoryAttention, attend_with_weights, fused_linear
+from .attention_plan import AttentionPlan, gradients_flow
+from .dual_attention import (DualAttention, PackedCache, RelationalAttention, SensoryAttention, dual_attention_outputs,
+                             fused_linear)
 from .input_validation import (
     validate_encoder_states,
     validate_positions,
@@ -57,9 +59,9 @@ from .modeling_dat import (
     DATPreTrainedModel,
     add_positions,
     attentions_imply_relations,
-    build_layer_masks,
     init_positions,
     make_norm,
+    plan_layers,
     resolve_position_ids,
     run_dat_layers,
     starts_cache,
@@ -222,7 +224,7 @@ class DATCrossAttention(nn.Module):
     symbols). No positions are applied (the reference's cross-attention has none). hidden_states `[b, n, d]` ->
     `[b, n, d]`.
 
-    Cache: keys `[b, h_kv_s + h_kv_r, m, d_h]`, values `[b, 1, m, h_kv_s*d_h | h_kv_r*d_h | R*d_r]`.
+    Cache: as the decoder's own layers (`PackedCache`), written once with the source's keys and values.
     """
 
     def __init__(self, config: DATSeq2SeqConfig, layer_idx: int):
@@ -235,6 +237,7 @@ class DATCrossAttention(nn.Module):
             RelationalAttention(cross_config, layer_idx, is_causal=False) if cross_config.num_relational_heads else None
         )
         self.symmetric_relations = config.symmetric_relations
+        self.packed = PackedCache(self.sensory, self.relational, self.head_dim)
 
     def _project_queries(self, hidden_states):
         """Target queries (one matrix product): sensory `[b, h_s, n, d_h]`, relational `[b, h_r, n, d_h]`, relation
@@ -254,8 +257,9 @@ class DATCrossAttention(nn.Module):
         return q_s, q_r, q_rel
 
     def _project_source(self, encoder_hidden_states, source_symbols):
-        """Keys and values of the source (one matrix product, plus the symbol values): lists of keys
-        `[b, h_kv, m, d_h]` and flat values `[b, m, width]`."""
+        """Keys and values of the source (one matrix product, plus the symbol values), in the order of the packed
+        cache (`PackedCache`): keys `[b, h_kv, m, d_h]` (relational, sensory) and flat values `[b, m, width]`
+        (sensory values, symbol values, relation keys)."""
         b, m, _ = encoder_hidden_states.shape
         sen, rel, hd = self.sensory, self.relational, self.head_dim
         linears, widths = [], []
@@ -271,53 +275,30 @@ class DATCrossAttention(nn.Module):
             keys.append(parts.pop(0).view(b, m, -1, hd).transpose(1, 2))
             values.append(parts.pop(0))
         if rel is not None:
-            keys.append(parts[0].view(b, m, -1, hd).transpose(1, 2))
+            keys.insert(0, parts[0].view(b, m, -1, hd).transpose(1, 2))
             values += [rel.symbol_proj(source_symbols).expand(b, m, -1), parts[1]]
         return keys, values
 
-    def _value_widths(self):
-        widths = []
-        if self.sensory is not None:
-            widths.append(self.sensory.num_kv_heads * self.head_dim)
-        if self.relational is not None:
-            rel = self.relational
-            widths += [rel.num_kv_heads * self.head_dim, rel.num_relations * rel.relation_dim]
-        return widths
-
-    def forward(self, hidden_states, encoder_hidden_states, source_symbols, mask, cache=None, **kwargs):
+    def forward(self, hidden_states, encoder_hidden_states, source_symbols, cross_plan, cache=None, **kwargs):
+        """`cross_plan`: this forward's plan of the bipartite graph (`AttentionPlan`)."""
         q_s, q_r, q_rel = self._project_queries(hidden_states)
         cross_cache = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else None
         if cross_cache is not None and cache.is_updated.get(self.layer_idx):
             layer = cross_cache.layers[self.layer_idx]
-            key_cache, value_cache = layer.keys, layer.values
+            keys, values = self.packed.unpack(layer.keys, layer.values)
         else:
             keys, values = self._project_source(encoder_hidden_states, source_symbols)
-            key_cache = torch.cat(keys, dim=1) if len(keys) > 1 else keys[0]
-            value_cache = torch.cat(values, dim=-1)[:, None]
             if cross_cache is not None:
-                key_cache, value_cache = cross_cache.update(key_cache, value_cache, self.layer_idx)
+                keys, values = self.packed.unpack(*cross_cache.update(*self.packed.pack(keys, values), self.layer_idx))
                 cache.is_updated[self.layer_idx] = True
-        b, _, m, _ = key_cache.shape
-        key_parts = key_cache.split(
-            [module.num_kv_heads for module in (self.sensory, self.relational) if module is not None], dim=1)
-        value_parts = value_cache[:, 0].split(self._value_widths(), dim=-1)
+            else:
+                keys, values = self.packed.views(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], values)
         sensory_inputs = relational_inputs = None
         if self.sensory is not None:
-            v_s = value_parts[0].view(b, m, -1, self.head_dim).transpose(1, 2)
-            sensory_inputs = (q_s, key_parts[0], v_s, mask)
+            sensory_inputs = (q_s, keys[-1], values[0], cross_plan.sensory["bipartite"])
         if self.relational is not None:
-            rel = self.relational
-            symbol_values = value_parts[-2].view(b, m, -1, self.head_dim).transpose(1, 2)
-            relation_keys = value_parts[-1].view(b, m, rel.num_relations, rel.relation_dim)
-            relational_inputs = (q_r, key_parts[-1], symbol_values, q_rel, relation_keys, mask, None, None)
-        if kwargs.get("output_attentions", False):
-            return attend_with_weights(self.sensory, self.relational, sensory_inputs, relational_inputs)
-        outputs = []
-        if self.sensory is not None:
-            outputs.append(self.sensory(*sensory_inputs, **kwargs)[0])
-        if self.relational is not None:
-            outputs.append(self.relational(*relational_inputs[:6], **kwargs)[0])
-        return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
+            relational_inputs = (q_r, keys[0], values[-2], q_rel, values[-1], cross_plan.relational["bipartite"], None)
+        return dual_attention_outputs(self.sensory, self.relational, sensory_inputs, relational_inputs, **kwargs)
 
 
 class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
@@ -336,17 +317,17 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden_states, encoder_hidden_states, symbols=None, source_symbols=None,
-                position_embeddings=None, sensory_mask=None, relational_mask=None, cross_mask=None,
+                position_embeddings=None, sensory_plan=None, relational_plan=None, cross_plan=None,
                 cache=None, **kwargs):
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
         def self_attend(x):
-            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_mask, relational_mask, self_cache,
+            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_plan, relational_plan, self_cache,
                                        **kwargs)
             return self.dropout(out)
 
         def cross_attend(x):
-            out, _, _ = self.cross_attn(x, encoder_hidden_states, source_symbols, cross_mask, cache,
+            out, _, _ = self.cross_attn(x, encoder_hidden_states, source_symbols, cross_plan, cache,
                                         **kwargs)
             return self.dropout(out)
 
@@ -476,8 +457,10 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
 
         biases = [self.config.encoder_layer_bias(i) for i in range(self.config.encoder_layers)]
         masks = build_masks(biases, self.config, inputs_embeds, attention_mask, causal=False)
+        plan = AttentionPlan.build(masks, self.config, inputs_embeds, kwargs.get("output_attentions", False),
+                                   gradients_flow(self, inputs_embeds), self.training)
         hidden_states = run_dat_layers(
-            self.layers, self.symbol_retrievers, hidden_states, position_ids, [(b, b) for b in biases], masks,
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, [(b, b) for b in biases], plan,
             position_embeddings=position_embeddings, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
@@ -563,9 +546,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                                                            self.config.position_embedding_type)
         hidden_states = self.dropout(hidden_states)
 
-        layer_biases, masks = build_layer_masks(self.config, inputs_embeds, attention_mask, self_cache, mask_positions,
-                                                causal=True)
+        output_attentions = kwargs.get("output_attentions", False)
+        layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, self_cache, mask_positions, causal=True,
+                                         output_attentions=output_attentions)
         cross_mask = build_cross_attention_mask(self.config, inputs_embeds, encoder_hidden_states, encoder_attention_mask)
+        cross_plan = AttentionPlan.build({"bipartite": cross_mask}, self.config, inputs_embeds, output_attentions,
+                                         gradients_flow(self, inputs_embeds), self.training)
 
         retrievers = self.symbol_retrievers
         shared_symbols = retrievers is not None and retrievers.shared and retrievers.feature_independent
@@ -595,9 +581,9 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 layer_symbols,
                 layer_source_symbols,
                 position_embeddings=position_embeddings,
-                sensory_mask=masks[sensory_bias],
-                relational_mask=masks[relational_bias],
-                cross_mask=cross_mask,
+                sensory_plan=plan.sensory[sensory_bias],
+                relational_plan=plan.relational[relational_bias],
+                cross_plan=cross_plan,
                 cache=cache,
                 **kwargs,
             )

@@ -36,8 +36,8 @@ from .modeling_dat import (
     DATDecoderLayer,
     DATPreTrainedModel,
     attentions_imply_relations,
-    build_layer_masks,
     make_norm,
+    plan_layers,
     run_dat_layers,
 )
 from .symbol_retrieval import SymbolRetrievers
@@ -230,8 +230,9 @@ class DATVisionModel(DATVisionPreTrainedModel):
         if self.config.position_embedding_type == "rope":
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
 
-        layer_biases, masks = build_layer_masks(self.config, hidden_states, None, position_ids=position_ids,
-                                                graph_adjacency=graph_adjacency, causal=False)
+        layer_biases, plan = plan_layers(self, hidden_states, None, position_ids=position_ids,
+                                         graph_adjacency=graph_adjacency, causal=False,
+                                         output_attentions=kwargs.get("output_attentions", False))
         relative_position_index = None
         # CODEPATH: 2-D grid offsets: no released checkpoint (dat_hf's `relative_symbols_2d`); the paper's ViDAT uses
         # the reference's 1-D offsets over the row-major patch sequence.
@@ -240,7 +241,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
                 rows, cols, self.config.max_relative_position, hidden_states.device)
 
         hidden_states = run_dat_layers(
-            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, masks,
+            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, plan,
             position_embeddings=position_embeddings, relative_position_index=relative_position_index, **kwargs,
         )
         hidden_states = self.norm(hidden_states)

@@ -10,29 +10,26 @@ For receiver i and relational head h (Altabaa & Lafferty, 2024):
     a^h   = softmax(scaling (x W_q^h)(x W_k^h)^T + mask)                           weights    [b, h, q, kv]
     r(x_i, x_j)_l = act(relation_scaling <x_i W_{q,l}^rel, x_j W_{k,l}^rel>)       relations  [b, R, q, kv]
 
-Every backend has the signature of `eager_relational_attention`: it takes what `RelationalAttention` projected
-(queries and keys with RoPE applied) and `module` (for `relation_proj` = W_r `[h, d_h, R]`, `relation_act`,
-`num_key_value_groups`, `max_relative_position`, `training`), and returns (messages, weights or None, relations or
-None). Backends are chosen by `select_relational_attention`: `config.relational_attn_implementation` when set (an
+Every backend has the signature of `eager_relational_attention`: tensors (queries and keys with RoPE applied, W_r), the
+mask in the one format the backend declares (`RelationalBackend.mask_format`, see `attention_plan.mask_in_format`)
+and a frozen `RelationalSpec` (GQA groups, scalings, relation activation); it returns (messages, weights or None,
+relations or None). Which backend runs which call is decided once per forward by the attention plan
+(`attention_plan.py`, with `select_relational_attention` here): `config.relational_attn_implementation` when set (an
 unsupported call then raises), else the fastest registered backend that supports the call (compiled kernels that
 `dat_hf.kernels` registers for their device, then `config._attn_implementation`'s own, then `eager`).
-A backend whose kernel fails to compile or launch raises `RelationalBackendUnavailable`; `attend_with_fallback` then
-marks it unavailable on that device type for the rest of the process, warns once naming the error and runs the next
-backend, unless the backend was requested by `relational_attn_implementation` (the error is raised).
+A backend whose kernel fails to compile or launch raises `RelationalBackendUnavailable`; the plan then marks it
+unavailable on that device type for the rest of the process, warns once naming the error and runs the next backend,
+unless the backend was requested by `relational_attn_implementation` (the error is raised).
 """
 
-import logging
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .masking_dat import AttentionMask
+from .masking_dat import AttentionMask, receiver_positions
 from .relational_attention_fused import flex_relational_attention, relational_output, sdpa_relational_attention
-
-logger = logging.getLogger(__name__)
 
 # receivers per block of the reference are chosen so that one block's scores and relations stay below this many
 # elements (memory linear in the sequence length)
@@ -47,33 +44,63 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
 
 
+class RelationalSpec(NamedTuple):
+    """What a relational backend needs of its heads besides tensors (frozen; one per `RelationalAttention`). It is
+    also what the fused backends hand Transformers' attention functions as their `module`."""
+
+    num_key_value_groups: int  # query heads per key/value head (GQA; named as Transformers' attention functions read it)
+    scaling: float  # of the attention scores, d_h^-1/2
+    relation_scaling: float  # of the relations, d_r^-1/2
+    relation_act: Callable | None  # None: identity (the released LMs)
+
+
+class RelativeSymbols(NamedTuple):
+    """Where receivers read the position-relative symbol table `[2K + 1, h, d_h]`: pair (i, j) uses row
+    `clip(j - p_i, -K, K) + K`, p_i the receiver's index among the keys (`receiver_positions`), or
+    `index[i, j]` when given (precomputed rows, e.g. 2-D offsets on an image grid)."""
+
+    clip: int  # K (`max_relative_position`)
+    offset: torch.Tensor | int | None = None  # the first receiver's index among the keys (default kv - q)
+    ring: int | None = None  # keys in a ring of that many slots: offsets known modulo the ring
+    index: torch.Tensor | None = None  # long [q, kv]
+
+    def rows(self, start: int, end: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+        """Rows of the table for receivers [start, end) over the first `kv_len` keys: long `[end - start, kv]`."""
+        if self.index is not None:
+            return self.index[start:end, :kv_len].to(device)
+        offsets = torch.arange(kv_len, device=device)[None, :] - receiver_positions(q_len, kv_len, device,
+                                                                                    self.offset, start, end)[:, None]
+        if self.ring is not None:  # (exact for a sliding window's senders, at most `ring - 1` back)
+            offsets = -((-offsets) % self.ring)
+        return offsets.clamp(-self.clip, self.clip) + self.clip
+
+
 # ---- the reference ---------------------------------------------------------------------------------------------
-def eager_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys,
-                               attention_mask: AttentionMask, scaling: float, relation_scaling: float,
-                               dropout: float = 0.0, output_attentions: bool = False,
-                               relative_position_index: torch.Tensor | None = None, query_offset=None, **kwargs):
+def eager_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
+                               attention_mask: AttentionMask, spec: RelationalSpec, dropout: float = 0.0,
+                               output_attentions: bool = False, symbols_at: RelativeSymbols | None = None):
     """Relational attention with explicit weights and relations, one block of receivers at a time.
 
-    query `[b, h, q, d_h]`, key `[b, h_kv, kv, d_h]`, symbol values `[b|1, h_kv, kv, d_h]` (or the position-relative
-    table `[P, h_kv, d_h]`: pair (i, j) uses row `clip(j - (query_offset + i), -K, K) + K`, where `query_offset` is
-    the cache index of the first receiver (default `kv - q`), or `relative_position_index[i, j]`),
-    relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]` -> messages `[b, q, h, d_h]`, and with
-    `output_attentions` the weights `[b, h, q, kv]` and relations `[b, R, q, kv]`. In training the blocks are
-    recomputed in backward (activation checkpointing), so memory stays linear in the sequence length.
+    query `[b, h, q, d_h]`, key `[b, h_kv, kv, d_h]`, symbol values `[b|1, h_kv, kv, d_h]` (or, with `symbols_at`,
+    the position-relative table `[P, h_kv, d_h]`), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`,
+    W_r `[h, d_h, R]`, the mask as an `AttentionMask` (its dense rows are formed block by block) -> messages
+    `[b, q, h, d_h]`, and with `output_attentions` the weights `[b, h, q, kv]` and relations `[b, R, q, kv]`. In
+    training the blocks are recomputed in backward (activation checkpointing), so memory stays linear in the
+    sequence length.
     """
     b, h, q_len, _ = query.shape
     kv_len, num_relations = key.shape[2], relation_queries.shape[2]
-    key = repeat_kv(key, module.num_key_value_groups)
-    symbol_values = per_head_symbols(module, symbol_values, b)
+    key = repeat_kv(key, spec.num_key_value_groups)
+    symbol_values = per_head_symbols(symbol_values, spec.num_key_value_groups, b)
     block = q_len if output_attentions else max(1, min(q_len, BLOCK_ELEMENTS // (b * (h + num_relations) * kv_len)))
-    checkpointed = module.training and torch.is_grad_enabled() and block < q_len
+    checkpointed = torch.is_grad_enabled() and query.requires_grad and block < q_len
     outputs = []
     for start in range(0, q_len, block):
         end = min(q_len, start + block)
-        args = (module, query[:, :, start:end], key, symbol_values, relation_queries[:, start:end], relation_keys,
-                attention_mask.dense(q_len, kv_len, query.device, start, end),
-                symbol_rows(module, relative_position_index, query_offset, start, end, q_len, kv_len, query.device),
-                scaling, relation_scaling, dropout)
+        args = (query[:, :, start:end], key, symbol_values, relation_queries[:, start:end], relation_keys,
+                relation_proj, attention_mask.dense(q_len, kv_len, query.device, start, end),
+                None if symbols_at is None else symbols_at.rows(start, end, q_len, kv_len, query.device), spec,
+                dropout)
         if checkpointed:
             outputs.append(torch.utils.checkpoint.checkpoint(_attend_block, *args, use_reentrant=False))
         else:
@@ -83,36 +110,33 @@ def eager_relational_attention(module, query, key, symbol_values, relation_queri
     return (messages, weights, relations) if output_attentions else (messages, None, None)
 
 
-def _attend_block(module, query, key, symbol_values, q_rel, k_rel, mask, symbol_index, scaling, relation_scaling,
-                  dropout):
+def _attend_block(query, key, symbol_values, q_rel, k_rel, relation_proj, mask, symbol_index, spec, dropout):
     """One block of m receivers (key and symbol values per query head): -> messages `[b, m, h, d_h]`, weights
     `[b, h, m, kv]`, relations `[b, R, m, kv]`."""
-    weights, relations = relational_weights(module, query, key, q_rel, k_rel, mask, scaling, relation_scaling,
-                                            dropout)
-    return relational_messages(module, weights, relations, symbol_values, symbol_index), weights, relations
+    weights, relations = relational_weights(query, key, q_rel, k_rel, mask, spec, dropout)
+    return relational_messages(weights, relations, symbol_values, relation_proj, symbol_index), weights, relations
 
 
-def relational_weights(module, query, key, relation_queries, relation_keys, mask, scaling: float,
-                       relation_scaling: float, dropout: float = 0.0):
+def relational_weights(query, key, relation_queries, relation_keys, mask, spec: RelationalSpec, dropout: float = 0.0):
     """Explicit attention weights and relations: query `[b, h, m, d_h]`, key `[b, h, kv, d_h]` (one per query head),
     relation queries `[b, m, R, d_r]` and keys `[b, kv, R, d_r]`, mask None, bool (True = attend) or additive
     `[b|1, 1, m, kv]` -> weights `[b, h, m, kv]` (after dropout), relations `[b, R, m, kv]`."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * spec.scaling
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
     weights = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    weights = nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
+    weights = nn.functional.dropout(weights.to(query.dtype), p=dropout, training=dropout > 0)
     # r_l(x_i, x_j) = act(relation_scaling <q_rel,l(x_i), k_rel,l(x_j)>)
-    relations = torch.einsum("bqrd,bkrd->brqk", relation_queries, relation_keys) * relation_scaling
-    if module.relation_act is not None:
-        relations = module.relation_act(relations)
+    relations = torch.einsum("bqrd,bkrd->brqk", relation_queries, relation_keys) * spec.relation_scaling
+    if spec.relation_act is not None:
+        relations = spec.relation_act(relations)
     return weights, relations
 
 
-def relational_messages(module, weights, relations, symbol_values, symbol_index=None):
+def relational_messages(weights, relations, symbol_values, relation_proj, symbol_index=None):
     """A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h from explicit weights `[b, h, m, kv]` and
     relations `[b, R, m, kv]`; symbol values per query head `[b, h, kv, d_h]`, or the position-relative table
-    `[P, h, d_h]` read at `symbol_index` `[m, kv]` -> messages `[b, m, h, d_h]`."""
+    `[P, h, d_h]` read at `symbol_index` `[m, kv]`; W_r `[h, d_h, R]` -> messages `[b, m, h, d_h]`."""
     attended_relations = torch.einsum("bhqk,brqk->bqhr", weights, relations)
     if symbol_index is None:
         attended_symbols = torch.matmul(weights, symbol_values).transpose(1, 2)  # [b, m, h, d_h]
@@ -120,38 +144,20 @@ def relational_messages(module, weights, relations, symbol_values, symbol_index=
         binned = weights.new_zeros(*weights.shape[:3], symbol_values.shape[0])
         binned.scatter_add_(-1, symbol_index.expand_as(weights), weights)
         attended_symbols = torch.einsum("bhqp,phd->bqhd", binned, symbol_values)
-    return relational_output(attended_symbols, attended_relations, module.relation_proj, weights.dtype)
+    return relational_output(attended_symbols, attended_relations, relation_proj, weights.dtype)
 
 
-def per_head_symbols(module, symbol_values, batch_size: int):
+def per_head_symbols(symbol_values, groups: int, batch_size: int):
     """Symbol values for every query head: `[b|1, h_kv, kv, d_h]` -> `[b, h, kv, d_h]`, or the position-relative
     table `[P, h_kv, d_h]` -> `[P, h, d_h]`."""
     if symbol_values.dim() == 3:
-        return symbol_values.repeat_interleave(module.num_key_value_groups, dim=1)
-    return repeat_kv(symbol_values, module.num_key_value_groups).expand(batch_size, -1, -1, -1)
-
-
-def symbol_rows(module, relative_position_index, query_offset, start: int, end: int, q_len: int, kv_len: int,
-                device, ring: int | None = None):
-    """Rows of the position-relative symbol table for receivers [start, end) (long `[m, kv]`), or None. `ring`: keys
-    in a ring of that many slots, where a sender's offset is known modulo the ring (exact for a sliding window's
-    senders, at most `ring - 1` back)."""
-    if not module.relative_symbols:
-        return None
-    if relative_position_index is not None:  # precomputed bins (e.g. 2-D offsets on an image grid)
-        return relative_position_index[start:end].to(device)
-    clip = module.max_relative_position
-    offset = kv_len - q_len if query_offset is None else query_offset
-    receivers = torch.arange(start, end, device=device)[:, None] + offset
-    offsets = torch.arange(kv_len, device=device)[None, :] - receivers
-    if ring is not None:
-        offsets = -((-offsets) % ring)
-    return offsets.clamp(-clip, clip) + clip
+        return symbol_values.repeat_interleave(groups, dim=1)
+    return repeat_kv(symbol_values, groups).expand(batch_size, -1, -1, -1)
 
 
 # ---- the registry ----------------------------------------------------------------------------------------------
 class RelationalCall(NamedTuple):
-    """What a backend may need to know to say whether it can run a call."""
+    """What a backend may need to know to say whether it can run a call (one per relational bias and forward)."""
 
     device: str  # "cpu", "cuda", ...
     dtype: torch.dtype  # of the queries (the autocast dtype under autocast)
@@ -166,26 +172,29 @@ class RelationalCall(NamedTuple):
     compiling: bool  # inside `torch.compile` tracing
 
     @classmethod
-    def of(cls, module, query, mask: AttentionMask, output_attentions: bool) -> "RelationalCall":
-        device = query.device.type
+    def of_forward(cls, query_like: torch.Tensor, query_length: int, requires_grad: bool, output_attentions: bool,
+                   relation_activation: str, relative_symbols: bool, dropout: float,
+                   mask: AttentionMask) -> "RelationalCall":
+        """The call of every layer of one forward over `mask` (`query_like`: a tensor of the forward's device and
+        dtype)."""
+        device = query_like.device.type
         autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
-        dtype = torch.get_autocast_dtype(device) if autocast else query.dtype
-        requires_grad = torch.is_grad_enabled() and (query.requires_grad or module.relation_proj.requires_grad)
-        return cls(device, dtype, query.shape[2], requires_grad, output_attentions, module.relation_activation,
-                   module.relative_symbols, module.attention_dropout if module.training else 0.0, mask, autocast,
-                   torch.compiler.is_compiling())
+        dtype = torch.get_autocast_dtype(device) if autocast else query_like.dtype
+        return cls(device, dtype, query_length, requires_grad, output_attentions, relation_activation,
+                   relative_symbols, dropout, mask, autocast, torch.compiler.is_compiling())
 
 
 class RelationalBackend(NamedTuple):
     """A registered backend: its function, `supports(call) -> None` when it can run the call (else the reason why
-    not), the devices on which automatic selection tries it before the configured implementation, and whether it
-    takes a sliding window over the whole sequence in one call (`AttentionMask.window`: its own index arithmetic,
-    no receiver blocks, no dense mask)."""
+    not), the devices on which automatic selection tries it before the configured implementation, and the one mask
+    format it takes (`attention_plan.MASK_FORMATS`: "reference" the `AttentionMask`, "tensor" a `KernelMask`,
+    "window" a `KernelMask` that may carry a sliding window over the whole sequence instead of a tensor,
+    "block_mask" a FlexAttention `BlockMask`)."""
 
     function: Callable
     supports: Callable[[RelationalCall], str | None]
     preferred_on: tuple[str, ...] = ()
-    takes_sliding_window: bool = False
+    mask_format: str = "tensor"
 
 
 def fused_values_limits(call: RelationalCall) -> str | None:
@@ -228,8 +237,8 @@ class RelationalAttentionInterface(dict):
         self.unavailable: dict[tuple[str, str], str] = {}
 
     def register(self, name: str, function: Callable, supports: Callable[[RelationalCall], str | None],
-                 preferred_on: tuple[str, ...] = (), takes_sliding_window: bool = False) -> None:
-        self[name] = RelationalBackend(function, supports, tuple(preferred_on), takes_sliding_window)
+                 preferred_on: tuple[str, ...] = (), mask_format: str = "tensor") -> None:
+        self[name] = RelationalBackend(function, supports, tuple(preferred_on), mask_format)
 
     def backend(self, name: str) -> RelationalBackend:
         if name not in self:
@@ -239,9 +248,11 @@ class RelationalAttentionInterface(dict):
 
 
 RELATIONAL_ATTENTION_FUNCTIONS = RelationalAttentionInterface()
-RELATIONAL_ATTENTION_FUNCTIONS.register("eager", eager_relational_attention, lambda call: None)
+RELATIONAL_ATTENTION_FUNCTIONS.register("eager", eager_relational_attention, lambda call: None,
+                                        mask_format="reference")
 RELATIONAL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_relational_attention, fused_values_limits)
-RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attention, _supports_flex)
+RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attention, _supports_flex,
+                                        mask_format="block_mask")
 
 
 def _candidates(attn_implementation: str | None, call: RelationalCall) -> list[str]:
@@ -259,53 +270,21 @@ def _candidates(attn_implementation: str | None, call: RelationalCall) -> list[s
     return [name for name in names if (name, call.device) not in RELATIONAL_ATTENTION_FUNCTIONS.unavailable]
 
 
-def select_relational_attention(module, query, mask: AttentionMask, output_attentions: bool = False) -> str:
-    """The name of the backend that runs this call of `module` (a `RelationalAttention`), recorded as
-    `module.relational_attention_backend` (outside `torch.compile`) and logged at debug level."""
-    call = RelationalCall.of(module, query, mask, output_attentions)
-    requested = getattr(module.config, "relational_attn_implementation", None)
+def select_relational_attention(call: RelationalCall, requested: str | None, attn_implementation: str | None) -> str:
+    """The name of the backend that runs `call`: `requested` (`relational_attn_implementation`; raises if it cannot
+    run the call), `eager` for weights, else the first of `_candidates` that supports it."""
     if requested is not None:
         reason = RELATIONAL_ATTENTION_FUNCTIONS.backend(requested).supports(call)
         if reason is not None:
             raise ValueError(f"`relational_attn_implementation={requested!r}` cannot run this call: {reason}.")
-        name = requested
-    elif output_attentions:
-        name = "eager"  # the only backend that returns weights and relations
-    else:
-        name = next(name for name in _candidates(module.config._attn_implementation, call)
-                    if name in RELATIONAL_ATTENTION_FUNCTIONS
-                    and RELATIONAL_ATTENTION_FUNCTIONS[name].supports(call) is None)
-    if not call.compiling:
-        if getattr(module, "relational_attention_backend", None) != name:
-            logger.debug("dat_hf: layer %s relational heads -> %s", module.layer_idx, name)
-        module.relational_attention_backend = name
-    return name
-
-
-def attend_with_fallback(module, query, mask: AttentionMask, output_attentions: bool, attend: Callable[[str], tuple]):
-    """`attend(backend)` with the backend that `select_relational_attention` picks. If an automatically selected
-    backend raises `RelationalBackendUnavailable` (its kernel failed to compile or launch), it leaves automatic
-    selection on that device type for the rest of the process, with one `RuntimeWarning` naming the error and the
-    backend that runs instead, and the next backend runs; a backend requested by `relational_attn_implementation`
-    raises the error."""
-    while True:
-        backend = select_relational_attention(module, query, mask, output_attentions)
-        if torch.compiler.is_compiling():  # (traced ops never launch a kernel)
-            return attend(backend)
-        try:
-            return attend(backend)
-        except RelationalBackendUnavailable as error:
-            device = query.device.type
-            if getattr(module.config, "relational_attn_implementation", None) is not None or backend == "eager" or (
-                    backend, device) in RELATIONAL_ATTENTION_FUNCTIONS.unavailable:
-                raise
-            RELATIONAL_ATTENTION_FUNCTIONS.unavailable[(backend, device)] = str(error)
-            fallback = select_relational_attention(module, query, mask, output_attentions)
-            warnings.warn(f"dat_hf: the {backend!r} relational attention backend is not used on {device} from now on "
-                          f"in this process; {fallback!r} runs instead. {error}", RuntimeWarning, stacklevel=2)
+        return requested
+    if call.output_attentions:
+        return "eager"  # the only backend that returns weights and relations
+    return next(name for name in _candidates(attn_implementation, call)
+                if name in RELATIONAL_ATTENTION_FUNCTIONS and RELATIONAL_ATTENTION_FUNCTIONS[name].supports(call) is None)
 
 
 __all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend",
-           "RelationalBackendUnavailable", "RelationalCall", "attend_with_fallback", "eager_relational_attention",
-           "per_head_symbols", "relational_messages", "relational_weights", "repeat_kv", "select_relational_attention",
-           "symbol_rows"]
+           "RelationalBackendUnavailable", "RelationalCall", "RelationalSpec", "RelativeSymbols",
+           "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_weights", "repeat_kv",
+           "select_relational_attention"]

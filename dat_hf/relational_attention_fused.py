@@ -12,7 +12,7 @@ so the relational heads are one attention call whose values are `[symbol values 
 (`d_h + R d_r` wide), through Transformers' attention functions: no `[q, kv]` tensor is kept and the cache stores
 per token the attention key, the symbol value and the relation key. The cost per pair is `h (d_h + R d_r)`
 multiply-adds for the values, against `R d_r + h R` when relations are formed once for all heads (the compiled
-kernels). Signature and outputs as `relational_attention.eager_relational_attention`.
+kernels). Signature and outputs as `relational_attention.eager_relational_attention`, each with its mask format.
 
 FlexAttention's GPU kernels (Triton templates) hold a `[BLOCK_M, V]` accumulator and stage `[BLOCK_N, V]` value tiles
 in shared memory, `V` rounded up to a power of two, with tiles chosen for the query width alone: the values of the
@@ -101,47 +101,48 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
     return out.transpose(1, 2).contiguous(), None
 
 
-def _fused_values_attention(interface: str, module, query, key, symbol_values, relation_queries, relation_keys,
-                            mask, scaling, relation_scaling, dropout):
+def _fused_values_attention(interface: str, query, key, symbol_values, relation_queries, relation_keys, relation_proj,
+                            mask, spec, dropout):
     b, h, q_len, d = query.shape
     h_kv, kv_len = key.shape[1], key.shape[2]
     num_relations, relation_dim = relation_queries.shape[2:]
     relation_keys = relation_keys.reshape(b, 1, kv_len, num_relations * relation_dim).expand(b, h_kv, -1, -1)
     value = torch.cat([symbol_values.expand(b, -1, -1, -1), relation_keys], dim=-1)  # [b, h_kv, kv, d_h + R d_r]
-    if interface == "sdpa":
+    if interface == "sdpa":  # mask: a `KernelMask`
         # fused SDPA kernels need equal query and value widths (else a math fallback keeps the [q, kv] weights):
         # zero-padding queries and keys leaves every score unchanged
         pad = value.shape[-1] - d
         query, key = nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
-        attention_mask = mask.mask
-    else:
-        attention_mask = mask.block_mask
-    attend = ALL_ATTENTION_FUNCTIONS[interface] if interface == "sdpa" else flex_attention_forward
-    widths = [value.shape[-1]] if interface == "sdpa" else flex_value_chunks(value.shape[-1], d, query.device.type)
+        attend, attention_mask, is_causal = ALL_ATTENTION_FUNCTIONS["sdpa"], mask.mask, mask.is_causal
+        widths = [value.shape[-1]]
+    else:  # mask: a `BlockMask` (or None)
+        attend, attention_mask, is_causal = flex_attention_forward, mask, False
+        widths = flex_value_chunks(value.shape[-1], d, query.device.type)
     chunks = value.split(widths, dim=-1)
-    outs = [attend(module, query, key, chunk, attention_mask, scaling=scaling, dropout=dropout,
-                   is_causal=mask.is_causal)[0] for chunk in chunks]
+    outs = [attend(spec, query, key, chunk, attention_mask, scaling=spec.scaling, dropout=dropout,
+                   is_causal=is_causal)[0] for chunk in chunks]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     attended_symbols, attended_keys = out.split([d, num_relations * relation_dim], dim=-1)  # out [b, q, h, d_v]
     attended_keys = attended_keys.reshape(b, q_len, h, num_relations, relation_dim)
-    attended_relations = (attended_keys * relation_queries[:, :, None]).sum(-1) * relation_scaling  # [b, q, h, R]
-    return relational_output(attended_symbols, attended_relations, module.relation_proj, out.dtype)
+    attended_relations = (attended_keys * relation_queries[:, :, None]).sum(-1) * spec.relation_scaling  # [b, q, h, R]
+    return relational_output(attended_symbols, attended_relations, relation_proj, out.dtype)
 
 
-def sdpa_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
-                              scaling, relation_scaling, dropout=0.0, **kwargs):
-    """Fused values through `torch.nn.functional.scaled_dot_product_attention` (bool mask or causal flag)."""
-    messages = _fused_values_attention("sdpa", module, query, key, symbol_values, relation_queries, relation_keys,
-                                       attention_mask, scaling, relation_scaling, dropout)
+def sdpa_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj, attention_mask,
+                              spec, dropout=0.0, **kwargs):
+    """Fused values through `torch.nn.functional.scaled_dot_product_attention` (a `KernelMask`: bool mask or causal
+    flag)."""
+    messages = _fused_values_attention("sdpa", query, key, symbol_values, relation_queries, relation_keys,
+                                       relation_proj, attention_mask, spec, dropout)
     return messages, None, None
 
 
-def flex_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
-                              scaling, relation_scaling, dropout=0.0, **kwargs):
+def flex_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
+                              attention_mask, spec, dropout=0.0, **kwargs):
     """Fused values through FlexAttention with the relational bias as a `BlockMask`: masked blocks are skipped, so a
     sliding window or a sparse graph costs its edges, not `q x kv` (values keep their own width: no padding)."""
-    messages = _fused_values_attention("flex_attention", module, query, key, symbol_values, relation_queries,
-                                       relation_keys, attention_mask, scaling, relation_scaling, dropout)
+    messages = _fused_values_attention("flex_attention", query, key, symbol_values, relation_queries, relation_keys,
+                                       relation_proj, attention_mask, spec, dropout)
     return messages, None, None
 
 

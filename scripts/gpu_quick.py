@@ -175,9 +175,8 @@ def selections(device: str) -> dict:
     `attn_implementation="flex_attention"`, at DAT-343M's shapes."""
     import torch
 
-    from dat_hf.dual_attention import RelationalAttention
+    from dat_hf.attention_plan import AttentionPlan
     from dat_hf.masking_dat import AttentionMask
-    from dat_hf.relational_attention import select_relational_attention
     from dat_hf.training import load_preset_config
 
     config = load_preset_config("dat-343m", num_hidden_layers=1)
@@ -191,9 +190,7 @@ def selections(device: str) -> dict:
     chosen = {}
     for name, (attn, train, dtype, autocast, q_len) in scenarios.items():
         config._attn_implementation = attn
-        module = RelationalAttention(config, 0).train(train).requires_grad_(train)
-        query = torch.zeros(1, config.num_relational_heads, q_len, config.head_dim, device=device, dtype=dtype,
-                            requires_grad=train)
+        inputs = torch.zeros(1, q_len, config.hidden_size, device=device, dtype=dtype, requires_grad=train)
         mask = AttentionMask(None, None, True)
         if attn == "flex_attention":  # (the masks of a flex model carry a BlockMask)
             from torch.nn.attention.flex_attention import create_block_mask
@@ -202,7 +199,8 @@ def selections(device: str) -> dict:
             mask = AttentionMask(None, None, True, block_mask=block_mask)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(train):
             try:
-                relational = select_relational_attention(module, query, mask)
+                plan = AttentionPlan.build({"causal": mask}, config, inputs, requires_grad=train, training=train)
+                relational = plan.relational["causal"].name
             except Exception as error:  # noqa: BLE001 (reported, not raised)
                 relational = f"error: {error_text(error)}"
         chosen[name] = {"relational": relational, "sensory": attn}

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from dat_hf.attention_plan import mask_in_format
 from dat_hf.masking_dat import AttentionMask
-from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, eager_relational_attention
+from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalSpec, RelativeSymbols
 
 SCALING, RELATION_SCALING = 0.37, 0.61
 
@@ -87,11 +88,31 @@ def reference_parts(query, key, values, q_rel, k_rel, mask: AttentionMask, scali
     picks[:, torch.arange(R), torch.arange(R)] = 1.0
     symbols_only = Heads(h, h // groups, d, R, activation, relation_proj=zeros)
     relations_only = Heads(h, h // groups, d, R, activation, relation_proj=picks)
-    symbols, _, _ = eager_relational_attention(symbols_only, query, key, values, q_rel, k_rel, mask, scaling,
-                                               relation_scaling)
-    relations, _, _ = eager_relational_attention(relations_only, query, key, torch.zeros_like(values), q_rel, k_rel,
-                                                 mask, scaling, relation_scaling)
+    symbols, _, _ = call_backend("eager", symbols_only, query, key, values, q_rel, k_rel, mask, scaling,
+                                 relation_scaling)
+    relations, _, _ = call_backend("eager", relations_only, query, key, torch.zeros_like(values), q_rel, k_rel,
+                                   mask, scaling, relation_scaling)
     return symbols, relations[..., :R]
+
+
+def call_backend(backend, module, query, key, symbol_values, relation_queries, relation_keys, mask: AttentionMask,
+                 scaling=SCALING, relation_scaling=RELATION_SCALING, dropout=0.0, output_attentions=False,
+                 relative_position_index=None, query_offset=None):
+    """Run a relational backend (a registered name, or a function taking the "tensor" format) as the attention plan
+    would: the heads' `RelationalSpec` and W_r from the stand-in `module`, the mask in the backend's format, the
+    position-relative symbol rows when `module.relative_symbols`."""
+    if isinstance(backend, str):
+        function, mask_format = RELATIONAL_ATTENTION_FUNCTIONS[backend].function, RELATIONAL_ATTENTION_FUNCTIONS[
+            backend].mask_format
+    else:
+        function, mask_format = backend, "window"
+    spec = RelationalSpec(module.num_key_value_groups, scaling, relation_scaling, module.relation_act)
+    symbols_at = None
+    if module.relative_symbols:
+        symbols_at = RelativeSymbols(module.max_relative_position, query_offset, None, relative_position_index)
+    return function(query, key, symbol_values, relation_queries, relation_keys, module.relation_proj,
+                    mask_in_format(mask, mask_format), spec, dropout, output_attentions=output_attentions,
+                    symbols_at=symbols_at)
 
 
 def assert_close(got, expected, atol=1e-5, rtol=0.0, what=""):

@@ -22,8 +22,8 @@ import pytest
 import torch
 from conftest import tiny_config
 from torch import nn
-from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
-                              reference_parts, right_padding)
+from relational_cases import (Heads, assert_close, call_backend, causal_and, count_backend_calls, make_inputs,
+                              random_bool_mask, reference_parts, right_padding)
 
 import dat_hf.dual_attention as da
 import dat_hf.kernels.cpu as kernel
@@ -31,7 +31,6 @@ from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
 from dat_hf.kernel_hooks import registered_kernels
 from dat_hf.masking_dat import AttentionMask
-from dat_hf.relational_attention import eager_relational_attention
 from dat_hf.transformers_compat import output_cache
 
 
@@ -233,8 +232,8 @@ def decode_reference(inputs64, relation_proj, scaling, relation_scaling, mask=No
     row_valid = None if mask is None else mask.any(-1)[:, None, None, None]
     if row_valid is not None:
         allowed = allowed | ~row_valid
-    out, _, _ = eager_relational_attention(module, *inputs64, AttentionMask(allowed, None, False), scaling,
-                                           relation_scaling)
+    out, _, _ = call_backend("eager", module, *inputs64, AttentionMask(allowed, None, False), scaling,
+                             relation_scaling)
     return out if row_valid is None else out * row_valid.transpose(1, 2)
 
 

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 from conftest import tiny_config
-from relational_cases import (RELATION_SCALING, SCALING, Heads, additive_from_bool, assert_close, causal_and,
-                              make_inputs, random_bool_mask, right_padding)
+from relational_cases import (RELATION_SCALING, SCALING, Heads, additive_from_bool, assert_close, call_backend,
+                              causal_and, make_inputs, random_bool_mask, right_padding)
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers import DynamicCache, StaticCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -30,7 +30,7 @@ import dat_hf.relational_attention_fused as relational_attention_fused
 from dat_hf import (DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForTokenClassification, DATSeq2SeqConfig, DATVisionConfig)
 from dat_hf.masking_dat import AttentionMask
-from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, eager_relational_attention
+from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from dat_hf.relational_attention_fused import flex_value_chunks
 from dat_hf.transformers_compat import output_cache
 
@@ -86,8 +86,8 @@ def test_reference_is_the_formula(case, block_elements, monkeypatch):
         mask = AttentionMask(None, None, False)
     expected = formula(module, *inputs, allowed, index)
     module.train()  # several blocks: checkpointed
-    got, weights, relations = eager_relational_attention(
-        module, *inputs, mask, SCALING, RELATION_SCALING,
+    got, weights, relations = call_backend(
+        "eager", module, *inputs, mask, SCALING, RELATION_SCALING,
         relative_position_index=index if case == "relative-2d-index" else None)
     assert weights is None and relations is None
     assert_close(got, expected, atol=1e-12, what="messages")
@@ -98,8 +98,8 @@ def test_reference_is_the_formula(case, block_elements, monkeypatch):
     # weights and relations: explicit, [b, h, q, kv] and [b, R, q, kv]
     module.eval()
     with torch.no_grad():
-        again, weights, relations = eager_relational_attention(
-            module, *inputs, mask, SCALING, RELATION_SCALING, output_attentions=True,
+        again, weights, relations = call_backend(
+            "eager", module, *inputs, mask, SCALING, RELATION_SCALING, output_attentions=True,
             relative_position_index=index if case == "relative-2d-index" else None)
     assert_close(again, expected, atol=1e-12)
     assert weights.shape == (b, h, q_len, kv_len) and relations.shape == (b, R, q_len, kv_len)
@@ -228,12 +228,11 @@ def test_backend_matches_reference(backend, case):
     assert (reason is not None) == expected_unsupported(backend, CASES[case]), reason
     if reason is not None:
         return
-    expected, weights64, relations64 = eager_relational_attention(
-        module64, *inputs64, mask, SCALING, RELATION_SCALING, output_attentions=output_attentions)
+    expected, weights64, relations64 = call_backend(
+        "eager", module64, *inputs64, mask, SCALING, RELATION_SCALING, output_attentions=output_attentions)
     with torch.set_grad_enabled(grad):
-        got, weights, relations = RELATIONAL_ATTENTION_FUNCTIONS[backend].function(
-            module, *inputs, mask, scaling=SCALING, relation_scaling=RELATION_SCALING,
-            output_attentions=output_attentions)
+        got, weights, relations = call_backend(backend, module, *inputs, mask, SCALING, RELATION_SCALING,
+                                               output_attentions=output_attentions)
     atol = 2e-5 if dtype == torch.float32 else 1e-10
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert_close(got, expected, atol=atol, rtol=atol, what=f"{backend} messages")
@@ -255,9 +254,8 @@ def test_backend_matches_reference(backend, case):
 @pytest.mark.parametrize("case", ["causal", "right-padding", "gqa", "decoding-step"])
 def test_sdpa_in_bfloat16(case):
     module64, module, inputs64, inputs, mask, call, _ = run_case("sdpa", case, torch.bfloat16)
-    expected, _, _ = eager_relational_attention(module64, *inputs64, mask, SCALING, RELATION_SCALING)
-    got, _, _ = RELATIONAL_ATTENTION_FUNCTIONS["sdpa"].function(module, *inputs, mask, scaling=SCALING,
-                                                                relation_scaling=RELATION_SCALING)
+    expected, _, _ = call_backend("eager", module64, *inputs64, mask, SCALING, RELATION_SCALING)
+    got, _, _ = call_backend("sdpa", module, *inputs, mask, SCALING, RELATION_SCALING)
     assert got.dtype == torch.bfloat16
     assert_close(got, expected, atol=3e-2, rtol=3e-2, what="bf16 sdpa")
 
@@ -407,10 +405,9 @@ def test_flex_attention_in_value_chunks_matches_reference(case, monkeypatch):
     monkeypatch.setattr(relational_attention_fused, "flex_attention_forward", counted)
     module64, module, inputs64, inputs, mask, call, _ = run_case("flex_attention", case, torch.float32, grad=False)
     assert RELATIONAL_ATTENTION_FUNCTIONS["flex_attention"].supports(call) is None
-    expected = eager_relational_attention(module64, *inputs64, mask, SCALING, RELATION_SCALING)[0]
+    expected = call_backend("eager", module64, *inputs64, mask, SCALING, RELATION_SCALING)[0]
     with torch.no_grad():
-        got = RELATIONAL_ATTENTION_FUNCTIONS["flex_attention"].function(
-            module, *inputs, mask, scaling=SCALING, relation_scaling=RELATION_SCALING)[0]
+        got = call_backend("flex_attention", module, *inputs, mask, SCALING, RELATION_SCALING)[0]
     assert widths == [8, 8, 5]
     assert_close(got, expected, atol=2e-5, rtol=2e-5, what="flex_attention messages from value chunks")
 
@@ -594,7 +591,7 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, bac
     """A decoding step is one block of receivers: with a sliding window over a long cache of full layers (a user's, or
     where the window is on one head type of some layer; a static cache's empty slots beyond it) both head types read
     only the senders the window allows, with the tokens and logits of attending over the whole cache."""
-    import dat_hf.dual_attention as dual_attention
+    import dat_hf.attention_plan as attention_plan
     import dat_hf.masking_dat as masking_dat
 
     torch.manual_seed(0)
@@ -604,18 +601,20 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, bac
     attention_mask = torch.ones_like(prompt).index_fill_(1, torch.arange(3), 0)  # (the first row is left padded)
     attention_mask[1] = 1
     senders = []  # (head type, receivers, senders) of every attention call
+    run_sensory = attention_plan.PlannedSensory._run
 
-    def spy(cls):
-        original = cls._attend
+    def sensory(self, module, query, key, *args, **kwargs):
+        senders.append(("SensoryAttention", query.shape[2], key.shape[2]))
+        return run_sensory(self, module, query, key, *args, **kwargs)
 
-        def attend(self, how, query, key, *args, **kwargs):
-            senders.append((cls.__name__, query.shape[2], key.shape[2]))
-            return original(self, how, query, key, *args, **kwargs)
+    registered = RELATIONAL_ATTENTION_FUNCTIONS[backend]
 
-        monkeypatch.setattr(cls, "_attend", attend)
+    def relational(query, key, *args, **kwargs):
+        senders.append(("RelationalAttention", query.shape[2], key.shape[2]))
+        return registered.function(query, key, *args, **kwargs)
 
-    spy(dual_attention.SensoryAttention)
-    spy(dual_attention.RelationalAttention)
+    monkeypatch.setattr(attention_plan.PlannedSensory, "_run", sensory)
+    monkeypatch.setitem(RELATIONAL_ATTENTION_FUNCTIONS, backend, registered._replace(function=relational))
 
     def generate():
         # full cache layers (the model's own would keep only the window: `DATConfig.layer_types`)

@@ -28,7 +28,8 @@ import torch
 from dat_hf import DATConfig, DATEncoderConfig, DATEncoderModel, DATForCausalLM, DATModel
 from dat_hf import masking_dat
 from dat_hf.dual_attention import DualAttention
-from dat_hf.modeling_dat import build_layer_masks
+from dat_hf.attention_plan import AttentionPlan
+from dat_hf.modeling_dat import plan_layers
 from dat_hf.transformers_compat import output_cache
 
 SEEDS = [0, 1, 2]
@@ -469,7 +470,8 @@ def test_isolated_rows_dual_attention_direct(dtype):
     mask = masking_dat.build_attention_mask("graph", config, x, None, graph_adjacency=adj, causal=False)
     symbols = torch.randn(1, n, 32).to(dtype)
     with torch.no_grad():
-        out, _, _ = attn(x, symbols, sensory_mask=mask, relational_mask=mask)
+        plan = AttentionPlan.build({"graph": mask}, config, x)
+        out, _, _ = attn(x, symbols, sensory_plan=plan.sensory["graph"], relational_plan=plan.relational["graph"])
     assert torch.isfinite(out).all()
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
     assert out[0, 1:].abs().amax(-1).min() > 0
@@ -764,17 +766,19 @@ def test_masks_follow_a_layer_to_its_device(case):
     with torch.no_grad():
         embeds = model.model.embed_tokens(ids)
         positions = (padding.cumsum(-1) - 1).clamp(min=0)
-        biases, masks = build_layer_masks(model.config, embeds, padding)
+        biases, plan = plan_layers(model.model, embeds, padding)
+        entries = [*plan.sensory.values(), *plan.relational.values()]
+        masks = {id(entry.source): entry.source for entry in entries}.values()
         symbols = model.model.symbol_retrievers(1, embeds, positions)
         rope = model.model.rotary_emb(embeds, positions)
-        assert all(mask.to("cpu") is mask for mask in masks.values())
-        assert any(mask.masked for mask in masks.values()), "nothing to move: the case checks nothing"
+        assert all(entry.to("cpu") is entry for entry in entries)
+        assert any(mask.masked for mask in masks), "nothing to move: the case checks nothing"
         layer = model.model.layers[1].to("meta")
         add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device("meta"), io_same_device=False))
-        out = layer(embeds, symbols, position_embeddings=rope, sensory_mask=masks[biases[1][0]],
-                    relational_mask=masks[biases[1][1]])
+        out = layer(embeds, symbols, position_embeddings=rope, sensory_plan=plan.sensory[biases[1][0]],
+                    relational_plan=plan.relational[biases[1][1]])
     assert out.device.type == "meta" and out.shape == embeds.shape
-    for mask in masks.values():
+    for mask in masks:
         moved = mask.to("meta")
         for tensor in (moved._mask, moved.row_valid, None if moved.window is None else moved.window.padding):
             assert tensor is None or tensor.device.type == "meta"

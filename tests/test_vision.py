@@ -20,6 +20,7 @@ import torch
 import dat_hf
 from dat_hf import DATForImageClassification, DATImageProcessor, DATVisionConfig, DATVisionModel
 from dat_hf.dual_attention import RelationalAttention, repeat_kv
+from dat_hf.attention_plan import AttentionPlan
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.modeling_dat_vision import grid_relative_position_index
 
@@ -306,12 +307,13 @@ def test_2d_relative_symbols_match_a_slow_loop(kv_heads):
         q_rel = module.q_rel_proj(x).view(b, n, module.num_relations, module.relation_dim)
         k_rel = module.k_rel_proj(x).view(b, n, module.num_relations, module.relation_dim)
         sv = module.project_symbols(table)
-        mask = AttentionMask(None, None, False)
-        fast, _, _ = module(q, k, sv, q_rel, k_rel, mask, relative_position_index=index)
+        mask = {"full": AttentionMask(None, None, False)}
+        symbols_at = module.symbols_at(relative_position_index=index)
+        fast, _, _ = module(q, k, sv, q_rel, k_rel, AttentionPlan.build(mask, config, x).relational["full"], symbols_at)
         slow = _slow_relational_attention(module, x, table, index)
-        # output_attentions goes through the same blocked path with explicit relation tensors
-        fast_weights, _, _ = module(q, k, sv, q_rel, k_rel, mask, output_attentions=True,
-                                    relative_position_index=index)
+        # output_attentions plans the reference (explicit weights and relation tensors)
+        plan = AttentionPlan.build(mask, config, x, output_attentions=True).relational["full"]
+        fast_weights, _, _ = module(q, k, sv, q_rel, k_rel, plan, symbols_at)
     assert (fast - slow).abs().max().item() < 1e-5
     assert (fast_weights - slow).abs().max().item() < 1e-5
 

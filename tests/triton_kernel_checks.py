@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 from conftest import tiny_config
-from relational_cases import (Heads, assert_close, causal_and, count_backend_calls, make_inputs, random_bool_mask,
-                              reference_parts, right_padding)
+from relational_cases import (Heads, assert_close, call_backend, causal_and, count_backend_calls, make_inputs,
+                              random_bool_mask, reference_parts, right_padding)
 from torch._dynamo.backends.registry import lookup_backend
 from triton_interpreter import patch_runtime_loop_bounds
 
@@ -41,7 +41,6 @@ from dat_hf import DATEncoderConfig, DATForCausalLM, DATForTokenClassification
 from dat_hf.kernels import triton_relational as kernel
 from dat_hf.kernels.triton_relational import _receiver_range, _sender_range
 from dat_hf.masking_dat import AttentionMask
-from dat_hf.relational_attention import eager_relational_attention
 
 DEVICE = "cpu" if kernel.INTERPRETED else "cuda"
 SCALING, RELATION_SCALING = 0.37, 0.61
@@ -326,11 +325,11 @@ def test_decoding_step(padded):
     module = Heads(h=4, h_kv=2)
     mask = AttentionMask(right_padding(b, kv_len, [33, 20, 5]) if padded else None, None, True)
     with torch.no_grad():
-        expected, _, _ = eager_relational_attention(module, *inputs, mask, SCALING, RELATION_SCALING)
+        expected, _, _ = call_backend("eager", module, *inputs, mask, SCALING, RELATION_SCALING)
         module32 = Heads(h=4, h_kv=2, relation_proj=module.relation_proj.detach().float().to(DEVICE))
         mask32 = AttentionMask(None if mask.mask is None else mask.mask.to(DEVICE), None, True)
-        got, _, _ = kernel.triton_relational_attention(module32, *(t.float().to(DEVICE) for t in inputs), mask32,
-                                                       SCALING, RELATION_SCALING)
+        got, _, _ = call_backend(kernel.triton_relational_attention, module32, *(t.float().to(DEVICE) for t in inputs),
+                                 mask32, SCALING, RELATION_SCALING)
     assert got.shape == (b, 1, 4, 6)
     assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5, what="decoding step")
 

@@ -129,18 +129,18 @@ def relational_decode_op(query, key, values, q_rel, k_rel, relation_proj, scalin
         _kernel_mask(mask), scaling, relation_scaling)
 
 
-def cpu_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
-                             scaling, relation_scaling, dropout=0.0, **kwargs):
-    """The `"cpu"` backend (signature and outputs as `eager_relational_attention`)."""
+def cpu_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj, attention_mask,
+                             spec, dropout=0.0, **kwargs):
+    """The `"cpu"` backend (signature and outputs as `eager_relational_attention`; the mask a `KernelMask`)."""
     symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
     if query.shape[2] == 1 and not (torch.is_grad_enabled() and query.requires_grad):
-        messages = relational_decode_op(query, key, symbol_values, relation_queries, relation_keys,
-                                        module.relation_proj, scaling, relation_scaling, attention_mask.mask)
+        messages = relational_decode_op(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
+                                        spec.scaling, spec.relation_scaling, attention_mask.mask)
         return messages, None, None
     attended_symbols, attended_relations = relational_attention_op(
-        query, key, symbol_values, relation_queries, relation_keys, attention_mask.is_causal, scaling,
-        relation_scaling, attention_mask.mask)
-    return relational_output(attended_symbols, attended_relations, module.relation_proj), None, None
+        query, key, symbol_values, relation_queries, relation_keys, attention_mask.is_causal, spec.scaling,
+        spec.relation_scaling, attention_mask.mask)
+    return relational_output(attended_symbols, attended_relations, relation_proj), None, None
 
 
 def supports_cpu(call: RelationalCall) -> str | None:

@@ -686,24 +686,23 @@ def _check_backward(query, key, values, q_rel, k_rel, mask, causal, window, two_
     _CHECKED_BACKWARD.add(variant)
 
 
-def triton_relational_attention(module, query, key, symbol_values, relation_queries, relation_keys, attention_mask,
-                                scaling, relation_scaling, dropout=0.0, **kwargs):
-    """The `"triton"` backend (signature and outputs as `eager_relational_attention`). Inputs are cast to the
-    autocast dtype under autocast. With a mask, the mask alone decides who attends (as in the reference); a sliding
-    window over the whole sequence (`attention_mask.window`) goes to the kernel as its window and padding, never as a
-    dense mask. A kernel that fails to compile or launch raises `RelationalBackendUnavailable` naming the error (the
-    backward kernels are run once per kernel variant before the first training call, see `_check_backward`), so
-    that automatic selection falls back to the next backend."""
+def triton_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
+                                attention_mask, spec, dropout=0.0, **kwargs):
+    """The `"triton"` backend (signature and outputs as `eager_relational_attention`; the mask a `KernelMask`). Inputs
+    are cast to the autocast dtype under autocast. With a mask, the mask alone decides who attends (as in the
+    reference); a sliding window over the whole sequence (`KernelMask.window`, with the padding as its mask) goes to
+    the kernel as its window, never as a dense mask. A kernel that fails to compile or launch raises
+    `RelationalBackendUnavailable` naming the error (the backward kernels are run once per kernel variant before the
+    first training call, see `_check_backward`), so that automatic selection falls back to the next backend."""
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     query, key, symbol_values, relation_queries, relation_keys = (
         t.to(dtype) for t in (query, key, symbol_values, relation_queries, relation_keys))
-    window = attention_mask.window
+    scaling, relation_scaling = spec.scaling, spec.relation_scaling
+    mask, window = attention_mask.mask, attention_mask.window
     if window is None:
-        mask = attention_mask.mask
         causal, window_args = attention_mask.is_causal and mask is None, {}
-    else:  # padding as a bool [b, 1, 1, kv] mask on top of the window
-        mask = None if window.padding is None else window.padding[:, None, None, :]
+    else:
         causal, window_args = attention_mask.is_causal, dict(window=window.window, two_sided=window.two_sided)
     symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
     try:
@@ -722,7 +721,7 @@ def triton_relational_attention(module, query, key, symbol_values, relation_quer
         raise RelationalBackendUnavailable(
             f"The Triton relational attention kernel failed to compile or launch on {query.device} ({query.dtype}): "
             f"{type(error).__name__}: {error}") from error
-    messages = relational_output(attended_symbols, attended_relations, module.relation_proj, dtype)
+    messages = relational_output(attended_symbols, attended_relations, relation_proj, dtype)
     return messages, None, None
 
 
@@ -746,7 +745,7 @@ def register():
     """Register the `"triton"` backend, tried first on CUDA by automatic selection; it takes a long sliding window
     over the whole sequence in one call."""
     RELATIONAL_ATTENTION_FUNCTIONS.register("triton", triton_relational_attention, supports_triton,
-                                            preferred_on=("cuda",), takes_sliding_window=True)
+                                            preferred_on=("cuda",), mask_format="window")
 
 
 __all__ = ["INTERPRETED", "kernel_failure", "relational_attention_op", "register", "supports_triton",
