@@ -138,7 +138,7 @@ def load_symbol_retrievers(ours, ref_retrievers):
 @torch.no_grad()
 def load_dual_attention(ours, ref, rope: bool):
     """Copy a reference `DualAttention` into a dat_hf `DualAttention` (RoPE rows permuted when `rope`)."""
-    hd = ours.config.head_dim
+    hd = ours.head_dim
     if ours.relational is not None:
         mine, theirs = ours.relational, ref.relational_attention
         q_rows = rope_permutation(mine.num_heads, hd) if rope else None
@@ -185,7 +185,7 @@ def load_transformer_block(ours, ref, rope: bool):
     _copy_norm(ours.input_layernorm, ref.norm1)
     _copy_norm(ours.post_attention_layernorm, ref.norm2)
     mine, theirs = ours.dual_attn.sensory, ref.self_attn
-    hd = ours.dual_attn.config.head_dim
+    hd = ours.dual_attn.head_dim
     _copy_linear(mine.q_proj, theirs.wq, rope_permutation(mine.num_heads, hd) if rope else None)
     _copy_linear(mine.k_proj, theirs.wk, rope_permutation(mine.num_kv_heads, hd) if rope else None)
     _copy_linear(mine.v_proj, theirs.wv)

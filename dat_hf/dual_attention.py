@@ -116,7 +116,6 @@ class SensoryAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
-        self.config = config
         self.layer_idx = layer_idx
         self.is_causal = is_causal
         self.num_heads = config.num_sensory_heads
@@ -165,7 +164,6 @@ class RelationalAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
-        self.config = config
         self.layer_idx = layer_idx
         self.is_causal = is_causal
         self.num_heads = config.num_relational_heads
@@ -294,7 +292,6 @@ class DualAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
-        self.config = config
         self.layer_idx = layer_idx
         # CODEPATH: sensory heads: every released checkpoint; none: no released checkpoint (an all-relational stack,
         # which the reference allows with `n_heads_sa=0`).

@@ -241,27 +241,35 @@ def _if_skipping_enough(blocks, q_len: int, kv_len: int, is_causal: bool) -> tup
     return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
 
 
+def transformers_window(previous: int, two_sided: bool) -> int:
+    """dat_hf's one window convention, `previous` = p (a receiver sees its p previous tokens and itself, or also its
+    p next ones when two-sided; `sliding_window_size`), in Transformers' convention (its mask functions, mask builders
+    and cache layers, the Triton op): the senders up to and including the receiver, p + 1, or p each side."""
+    return previous if two_sided else previous + 1
+
+
 class SlidingWindow:
-    """A sliding window (Transformers' index functions: `window` senders up to the receiver itself, or `|i - j| <=
-    window` when two-sided) over the `length` tokens of one forward without a cache (receivers and senders alike),
+    """A sliding window of `previous` = p tokens (a receiver sees senders p back, or `|i - j| <= p` when two-sided)
+    over the `length` tokens of one forward without a cache (receivers and senders alike),
     with an optional 2-D padding mask `[b, length]`: any block of its mask, its receiver blocks and its isolated
     receivers come from index arithmetic in O(n * window), never from the dense `n x n` mask."""
 
-    def __init__(self, window: int, two_sided: bool, padding: torch.Tensor | None, length: int, device):
-        self.window, self.two_sided, self.padding, self.length, self.device = window, two_sided, padding, length, device
+    def __init__(self, previous: int, two_sided: bool, padding: torch.Tensor | None, length: int, device):
+        self.previous, self.two_sided, self.padding = previous, two_sided, padding
+        self.length, self.device = length, device
         make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
-        self.function = make(window)
+        self.function = make(transformers_window(previous, two_sided))
 
     def to(self, device, non_blocking: bool = False) -> "SlidingWindow":
         """The same window with its padding mask on `device`."""
         padding = None if self.padding is None else self.padding.to(device, non_blocking=non_blocking)
-        return SlidingWindow(self.window, self.two_sided, padding, self.length, device)
+        return SlidingWindow(self.previous, self.two_sided, padding, self.length, device)
 
     def senders(self, q0: int, q1: int) -> tuple[int, int]:
         """The range [kv0, kv1) of senders that receivers [q0, q1) may see (before padding)."""
         if self.two_sided:
-            return max(0, q0 - self.window), min(self.length, q1 + self.window)
-        return max(0, q0 - self.window + 1), min(self.length, q1)
+            return max(0, q0 - self.previous), min(self.length, q1 + self.previous)
+        return max(0, q0 - self.previous), min(self.length, q1)
 
     def allowed(self, q0: int, q1: int, kv0: int, kv1: int, row_valid=None) -> torch.Tensor:
         """bool `[b|1, 1, q1 - q0, kv1 - kv0]` (True = attend); receivers where `row_valid` `[b, 1, q1 - q0, 1]` is
@@ -295,14 +303,14 @@ class SlidingWindow:
         seen = torch.nn.functional.pad(self.padding.long().cumsum(-1), (1, 0))  # [b, kv + 1]: tokens before index
         i = torch.arange(self.length, device=self.device)
         if self.two_sided:
-            lo, hi = (i - self.window).clamp(min=0), (i + self.window + 1).clamp(max=self.length)
+            lo, hi = (i - self.previous).clamp(min=0), (i + self.previous + 1).clamp(max=self.length)
         else:
-            lo, hi = (i - self.window + 1).clamp(min=0), i + 1
+            lo, hi = (i - self.previous).clamp(min=0), i + 1
         valid = (seen[:, hi] - seen[:, lo] > 0)[:, None, :, None]
         return None if bool(valid.all()) else valid
 
 
-def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embeds, attention_mask, cache,
+def _sliding_window_without_dense_mask(previous: int, two_sided: bool, inputs_embeds, attention_mask, cache,
                                        position_ids) -> AttentionMask | None:
     """A long sliding window of one forward without cache content, as a `SlidingWindow` (no `n x n` mask), when its
     receiver blocks skip enough work; None where Transformers' mask builder must decide (a cache with tokens,
@@ -317,7 +325,7 @@ def _sliding_window_without_dense_mask(window: int, two_sided: bool, inputs_embe
         return None
     if position_ids is not None and attention_mask is None and cache is None and not two_sided:
         return None  # (Transformers reads packed sequences from the positions)
-    window_mask = SlidingWindow(window, two_sided, attention_mask, q_len, inputs_embeds.device)
+    window_mask = SlidingWindow(previous, two_sided, attention_mask, q_len, inputs_embeds.device)
     blocks = window_mask.receiver_blocks()
     if blocks is None:
         return None
@@ -398,13 +406,14 @@ def build_attention_mask(
     if bias == "sliding_window_bidirectional" and causal:
         bias = "sliding_window"  # (the causal order keeps one side of the window)
     if bias in ("sliding_window", "sliding_window_bidirectional"):
-        # Transformers' own window masks (index arithmetic): `sliding_window_size` = p previous tokens and itself
+        # Transformers' own window masks (index arithmetic), in their convention
         two_sided = bias == "sliding_window_bidirectional"
         create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
-        window = config.sliding_window_size + (0 if two_sided else 1)
+        previous = config.sliding_window_size
+        window = transformers_window(previous, two_sided)
         inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **cache_kwargs(cache),
                       **({} if two_sided else {"position_ids": position_ids}))
-        blockwise = _sliding_window_without_dense_mask(window, two_sided, inputs_embeds, attention_mask,
+        blockwise = _sliding_window_without_dense_mask(previous, two_sided, inputs_embeds, attention_mask,
                                                        cache, position_ids) if receiver_blocks else None
         if blockwise is not None:
             if uses_flex_attention(config):  # FlexAttention heads skip the masked blocks with a BlockMask

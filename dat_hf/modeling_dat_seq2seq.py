@@ -14,11 +14,11 @@
 
 Cross-attention keys/values (and, for `dual`, relation keys and source symbol values) are computed once per
 generation and kept in the cross-attention half of an `EncoderDecoderCache` (`is_updated[layer]`).
-The encoder and decoder stacks share the config's dual-attention fields, read through small config views that
-override the per-stack fields (depth, attention graph, positions, cross-attention head counts).
+The encoder and decoder stacks share the config's dual-attention fields; each stack's layers are built from a copy
+of the config with its own fields (depth, attention graph, positions, cross-attention head counts: `stack_config`).
 """
 
-import inspect
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +36,9 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_dat import DualAttentionConfig
-from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .cache_dat import check_cache, prepare_cache
 from .attention_plan import AttentionPlan, gradients_flow
+from .cache_dat import check_cache, prepare_cache
+from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .dual_attention import (DualAttention, PackedCache, RelationalAttention, SensoryAttention, dual_attention_outputs,
                              fused_linear)
 from .input_validation import (
@@ -70,48 +69,19 @@ from .symbol_retrieval import SymbolRetrievers
 from .transformers_compat import cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
 
-class StackConfig:
-    """A read-only view of a `DATSeq2SeqConfig` with some fields overridden (one stack's depth, attention graph,
-    positions, or the cross-attention's head counts). Properties and methods of the DAT config classes (`head_dim`,
-    `layer_bias`, ...) are evaluated on the view, everything else (e.g. `_attn_implementation`) is read live from the
-    model's config."""
-
-    def __init__(self, base, **overrides):
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_overrides", overrides)
-
-    def __getattr__(self, name):
-        overrides = object.__getattribute__(self, "_overrides")
-        if name in overrides:
-            return overrides[name]
-        base = object.__getattribute__(self, "_base")
-        for cls in type(base).__mro__:
-            if cls is DualAttentionConfig.__mro__[1]:  # stop at PreTrainedConfig
-                break
-            if name in cls.__dict__:
-                attr = cls.__dict__[name]
-                if isinstance(attr, property):
-                    return attr.fget(self)
-                if inspect.isfunction(attr):
-                    return attr.__get__(self)
-                break
-        return getattr(base, name)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("StackConfig is read-only; change the model's config instead.")
-
-    # read at every forward (the attention implementations): plain properties, which `torch.compile` traces
-    @property
-    def _attn_implementation(self):
-        return self._base._attn_implementation
-
-    @property
-    def relational_attn_implementation(self):
-        return self._base.relational_attn_implementation
+def stack_config(config: DATSeq2SeqConfig, **fields) -> DATSeq2SeqConfig:
+    """A copy of `config` (shallow: nothing is shared that is written) with one stack's own `fields` (depth, attention
+    graph, positions, or the cross-attention's head counts): the layers of that stack are built from it (its
+    properties, e.g. `head_dim`, follow the fields). Nothing reads it after `__init__`: the attention implementations
+    of a forward come from the model's config (`AttentionPlan`)."""
+    stack = copy.copy(config)
+    for name, value in fields.items():
+        setattr(stack, name, value)
+    return stack
 
 
-def encoder_stack_config(config: DATSeq2SeqConfig) -> StackConfig:
-    return StackConfig(
+def encoder_stack_config(config: DATSeq2SeqConfig) -> DATSeq2SeqConfig:
+    return stack_config(
         config,
         num_hidden_layers=config.encoder_layers,
         relational_bias=config.encoder_relational_bias,
@@ -121,8 +91,8 @@ def encoder_stack_config(config: DATSeq2SeqConfig) -> StackConfig:
     )
 
 
-def cross_attention_config(config: DATSeq2SeqConfig) -> StackConfig:
-    return StackConfig(
+def cross_attention_config(config: DATSeq2SeqConfig) -> DATSeq2SeqConfig:
+    return stack_config(
         config,
         num_sensory_heads=config.cross_sensory_heads,
         num_relational_heads=config.cross_relational_heads,
@@ -134,13 +104,13 @@ def cross_attention_config(config: DATSeq2SeqConfig) -> StackConfig:
     )
 
 
-def decoder_symbol_config(config: DATSeq2SeqConfig) -> StackConfig | DATSeq2SeqConfig:
+def decoder_symbol_config(config: DATSeq2SeqConfig) -> DATSeq2SeqConfig:
     """The decoder's retrievers also give `dual` cross-attention its source symbols: positional symbols then need
     room for source positions."""
     # CODEPATH: no released checkpoint has `dual` cross-attention (dat_hf's relational cross heads); the paper's math
     # models cross-attend with 8 sensory heads.
     if config.cross_relational_heads > 0 and config.max_symbol_positions is None:
-        return StackConfig(config, max_symbol_positions=max(config.max_position_embeddings, config.encoder_max_positions))
+        return stack_config(config, max_symbol_positions=max(config.max_position_embeddings, config.encoder_max_positions))
     return config
 
 

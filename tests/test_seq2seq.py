@@ -261,18 +261,26 @@ def test_source_permutation_leaves_decoder_unchanged(cross_attention):
 
 
 @pytest.mark.parametrize("name", ["default", "dual-cross", "relative-relu-postnorm"])
-def test_eager_matches_sdpa(name):
-    """The encoder, decoder and cross-attention modules read the attention implementation from the model config."""
+def test_eager_matches_sdpa(name, monkeypatch):
+    """The encoder, decoder and cross-attention heads run the attention implementation of the model config (the
+    forward's plan)."""
+    import dat_hf.attention_plan as attention_plan
+
     torch.manual_seed(0)
     sdpa = DATForSeq2SeqLM(seq2seq_config(**CONFIGS[name])).eval()
     eager = DATForSeq2SeqLM(seq2seq_config(attn_implementation="eager", **CONFIGS[name])).eval()
     eager.load_state_dict(sdpa.state_dict())
-    assert eager.model.decoder.layers[0].cross_attn.sensory.config._attn_implementation == "eager"
     x, mask = padded_batch(sdpa.config.source_vocab_size)
     y = torch.randint(3, 50, (3, 5), generator=torch.Generator().manual_seed(6))
+    ran, run = [], attention_plan.PlannedSensory._run
+    monkeypatch.setattr(attention_plan.PlannedSensory, "_run",
+                        lambda self, *args, **kwargs: ran.append(self.name) or run(self, *args, **kwargs))
     with torch.no_grad():
         expected = sdpa(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+        assert ran and set(ran) == {"sdpa"}
+        ran.clear()
         got = eager(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+        assert ran and set(ran) == {"eager"}
     assert (expected - got).abs().max().item() < 1e-5 * max(1.0, expected.abs().max().item())
 
 

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from ..relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
                                     fused_values_limits)
+from ..masking_dat import transformers_window
 from ..relational_attention_fused import relational_output
 from .autograd import relational_op_autograd
 
@@ -703,7 +704,8 @@ def triton_relational_attention(query, key, symbol_values, relation_queries, rel
     if window is None:
         causal, window_args = attention_mask.is_causal and mask is None, {}
     else:
-        causal, window_args = attention_mask.is_causal, dict(window=window.window, two_sided=window.two_sided)
+        causal, window_args = attention_mask.is_causal, dict(window=transformers_window(window.previous, window.two_sided),
+                                                             two_sided=window.two_sided)
     symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
     try:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(
