@@ -484,7 +484,8 @@ def race(tmp_path, saves, capsys=None):
     model.save_pretrained(folder, max_shard_size="20KB")
     writer = subprocess.Popen([sys.executable, "-c", RACE_WRITER, str(folder), str(saves)],
                               cwd=os.path.dirname(__file__), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(  # (this checkout's dat_hf)
+                                  [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))])})
     records = []
     handler = logging.Handler()
     handler.emit = records.append
