@@ -25,7 +25,9 @@ from .modeling_dat import (
     DATForTokenClassification,
     DATModel,
     DATPreTrainedModel,
+    SAVE_LOAD_HOOKS,
 )
+from .safe_folders import install as install_safe_folders
 
 from .configuration_dat_vision import DATVisionConfig
 from .image_processing_dat import DATImageProcessor
@@ -41,6 +43,10 @@ from .transformers_compat import TESTED_TRANSFORMERS, UntestedTransformersWarnin
 __version__ = "0.1.0"
 
 warn_if_untested_transformers()  # (a release newer than the newest tested one: once, naming the tested range)
+
+# crash-safe saving and the checks of local folders on load, for every DAT class (the model files, copied as a saved
+# folder's remote code, hold only the hook points: there saving and loading are Transformers' own)
+install_safe_folders(SAVE_LOAD_HOOKS)
 
 AutoConfig.register("dat", DATConfig, exist_ok=True)
 AutoModel.register(DATConfig, DATModel, exist_ok=True)

@@ -18,7 +18,8 @@ Everything happens inside the target folder (only the target needs to be writabl
 6. clean:   the journal, then the backup and staging folders are removed.
 
 A folder with a journal is repaired before it is read, by the next save and by `from_pretrained` of every DAT class
-(which also runs as remote code): if `config.json` is the new one (its hash is in the journal) the save is rolled
+(installed by `import dat_hf` through `safe_folders.py`; a folder's remote code, without dat_hf, saves and loads as
+Transformers does): if `config.json` is the new one (its hash is in the journal) the save is rolled
 forward (new files moved in, old-only files removed), else rolled back (old files restored from the backup, new-only
 files removed). Either way the weights agree with the `config.json` that the Auto classes read before the model
 class runs. Staging or backup folders without a journal are leftovers of a save stopped before step 3: deleted.
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".dat_hf_staging-"
 BACKUP_PREFIX = ".dat_hf_backup-"
-JOURNAL = ".dat_hf_commit.json"
+JOURNAL = ".dat_hf_commit.json"  # (a folder's remote code, without dat_hf, refuses a folder holding one)
 CONFIG = "config.json"
 # Transformers' files of one model: configs and weights in any layout (single file, shards, index, variants, .bin)
 READ_WAIT_SECONDS = 10.0  # how long a reader waits for a save's switch to commit

@@ -15,8 +15,9 @@ first, without reading a tensor, and
 3. what the checkpoint lacks (newly initialised weights, e.g. a classification head) must stay small next to it.
 
 A failed check is a ValueError naming the file, the tensor, the config fields behind the differing sizes and the
-checkpoint's values. Used by `from_pretrained` of every DAT class (also as Hub remote code: this module imports only
-the standard library and torch) and by the converter of the authors' checkpoints (`conversion.py`).
+checkpoint's values. Used by `from_pretrained` of every DAT class (installed by `import dat_hf` through
+`safe_folders.py`; not part of a folder's remote code) and by the converter of the authors' checkpoints
+(`conversion.py`).
 """
 
 import json

@@ -11,14 +11,12 @@ A DAT layer (pre-norm shown; post-norm is supported):
     x  += MLP(norm2(x))
 """
 
-import contextvars
 import os
 from dataclasses import dataclass
 from functools import wraps
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -32,13 +30,11 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .atomic_save import finish_interrupted_save, load_consistently, save_atomically
-from .checkpoint_bounds import check_against_checkpoint, local_checkpoint_index
-from .configuration_dat import DATConfig, DATEncoderConfig, config_source
+from .configuration_dat import DATConfig, DATEncoderConfig
 from .cache_dat import check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import replaceable
@@ -264,10 +260,28 @@ def fsdp2_original_class(model):
     return type(model).__mro__[type(model)._orig_cls_mro_index]
 
 
-logger = logging.get_logger(__name__)
+def load_plainly(cls, from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
+    """Transformers' `from_pretrained`, refusing a local folder that holds an interrupted save of dat_hf's (its files
+    may be half old, half new: dat_hf completes or undoes the save when it loads the folder)."""
+    if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+        journal = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "", ".dat_hf_commit.json")
+        if os.path.isfile(journal):
+            raise OSError(f"{journal}: this folder holds an interrupted save. Load it once where dat_hf is installed "
+                          "(`import dat_hf`), which completes or undoes that save.")
+    return from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
-# (checkpoint index, its file, whether shapes must match) of the local folder `from_pretrained` is loading
-_PENDING_CHECKPOINT = contextvars.ContextVar("dat_hf_pending_checkpoint", default=None)
+
+# Hook points of saving and loading, Transformers' plain behaviour here (and so in a saved folder's remote code);
+# `import dat_hf` (the installed package, never copied) installs crash-safe saving and the bound checks of untrusted
+# checkpoints into them (`dat_hf/safe_folders.py`).
+SAVE_LOAD_HOOKS = {
+    # (model, PreTrainedModel.save_pretrained bound to it, its arguments): saves the model
+    "save": lambda model, save, *args, **kwargs: save(*args, **kwargs),
+    # (class, PreTrainedModel.from_pretrained bound to it, its arguments): the loaded model
+    "load": load_plainly,
+    # (class, the arguments of its __init__), before __init__ builds the model: may refuse the config
+    "build": lambda cls, args: None,
+}
 
 
 @auto_docstring
@@ -300,9 +314,9 @@ class DATPreTrainedModel(PreTrainedModel):
     }
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, crash-safe (`atomic_save`: after a failure or a kill at any point the
-        folder loads as the old model or the new one), with an `auto_map` covering every Auto class of the family
-        and the modeling files copied beside. Files other than the model's in the folder are kept.
+        """`PreTrainedModel.save_pretrained`, with an `auto_map` covering every Auto class of the family and the
+        modeling files copied beside; with dat_hf installed, crash-safe (`SAVE_LOAD_HOOKS`: after a failure or a kill
+        at any point the folder loads as the old model or the new one). Files other than the model's are kept.
 
         A model sharded with FSDP2 (`fully_shard`) is saved by calling this on every rank: see
         `_save_fully_sharded`."""
@@ -310,12 +324,7 @@ class DATPreTrainedModel(PreTrainedModel):
         if own_class is not None and not kwargs.get("distributed_checkpoint"):
             return self._save_fully_sharded(own_class, save_directory, *args, **kwargs)
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self.auto_classes}
-        save = super().save_pretrained
-        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
-        if (kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
-                or getattr(self, "_hf_peft_config_loaded", False) or not self.should_save_on_this_rank(is_main_process)):
-            return save(save_directory, *args, **kwargs)  # uploads, adapters, other ranks: not one whole model here
-        save_atomically(save_directory, lambda staging: save(staging, *args, **kwargs))
+        return SAVE_LOAD_HOOKS["save"](self, super().save_pretrained, save_directory, *args, **kwargs)
 
     def _save_fully_sharded(self, own_class, save_directory, *args, **kwargs):
         """Save an FSDP2 model as the unsharded model is saved, under its own class (`fully_shard` swaps it for a
@@ -355,46 +364,13 @@ class DATPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`; for a local folder, after completing or undoing an interrupted save,
-        with the config checked against the checkpoint's tensor index before the model is built
-        (`checkpoint_bounds`), and loading again if a save commits during the load (`atomic_save.load_consistently`)."""
-        folder = None
-        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
-            folder = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
-            finish_interrupted_save(folder)
-        if folder is None or not os.path.isdir(folder) or kwargs.get("gguf_file") or kwargs.get("state_dict"):
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-
-        def load():
-            call_kwargs = dict(kwargs)
-            source = config_source(kwargs.get("config"))
-            if source is not None and os.path.isfile(os.path.join(folder, "config.json")):
-                # a config read (by AutoConfig) before a save committed would pair the old config with new weights
-                now, _ = PreTrainedConfig.get_config_dict(folder)
-                if now != source[0]:
-                    logger.warning("dat_hf: %s changed after it was read (a save committed in between); read it "
-                                   "again: this is the new model's config.", os.path.join(folder, "config.json"))
-                    config = type(kwargs["config"]).from_dict(now, **source[1])
-                    call_kwargs["config"] = config[0] if isinstance(config, tuple) else config
-            index = local_checkpoint_index(folder, kwargs.get("variant"))
-            token = _PENDING_CHECKPOINT.set(None if index is None else
-                                            [*index, not kwargs.get("ignore_mismatched_sizes", False)])
-            try:
-                return super(DATPreTrainedModel, cls).from_pretrained(pretrained_model_name_or_path, *args,
-                                                                      **call_kwargs)
-            finally:
-                _PENDING_CHECKPOINT.reset(token)
-
-        return load_consistently(folder, load)
+        """`PreTrainedModel.from_pretrained`; with dat_hf installed, for a local folder, after completing or undoing
+        an interrupted save, with the config checked against the checkpoint's tensor index before the model is built,
+        and loading again if a save commits during the load (`SAVE_LOAD_HOOKS`)."""
+        return SAVE_LOAD_HOOKS["load"](cls, super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
 
     def __new__(cls, *args, **kwargs):
-        # in `from_pretrained` of a local folder: the config is checked against the checkpoint before the model
-        # (its __init__) is built (once, for the outermost model; the check builds the model on the meta device)
-        pending = _PENDING_CHECKPOINT.get()
-        if pending is not None and args and isinstance(args[0], PreTrainedConfig):
-            _PENDING_CHECKPOINT.set(None)
-            shapes, source, check_shapes = pending
-            check_against_checkpoint(args[0], cls, shapes, source, check_shapes=check_shapes)
+        SAVE_LOAD_HOOKS["build"](cls, args)  # (with dat_hf: the config is checked against the checkpoint being loaded)
         return super().__new__(cls)
 
     # trf-ignore: TRF018 (every parameter of the family is initialised here; nothing is left to the base class)

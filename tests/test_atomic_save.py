@@ -307,9 +307,13 @@ from transformers import AutoModelForCausalLM
 
 report = {}
 for folder in sys.argv[1:]:
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-    report[folder] = {"module": type(model).__module__, "weights": {
-        k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    except OSError as error:
+        report[folder] = {"refused": str(error)}
+    else:
+        report[folder] = {"module": type(model).__module__, "weights": {
+            k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}}
 print(json.dumps(report))
 '''
 
@@ -320,10 +324,11 @@ def weight_digests(model) -> dict:
     return {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
 
 
-def test_remote_code_load_repairs_an_interrupted_save(tmp_path):
+def test_remote_code_refuses_an_interrupted_save(tmp_path):
     """In a process without dat_hf, `from_pretrained(..., trust_remote_code=True)` runs the folder's own modeling
-    code, which completes or undoes an interrupted save first: killed before the commit point -> old model, after ->
-    new model."""
+    code, which holds no repair (`atomic_save.py` is not copied): it refuses a folder with an interrupted save, naming
+    the journal, and touches nothing; dat_hf then completes or undoes the save: killed before the commit point -> old
+    model, after -> new model; the remote code loads the repaired folder."""
     torch.manual_seed(0)
     old = DATForCausalLM(tiny_config(hidden_size=32))
     torch.manual_seed(1)
@@ -342,15 +347,26 @@ def test_remote_code_load_repairs_an_interrupted_save(tmp_path):
         assert (folders[label] / JOURNAL).exists()  # an interrupted save, left for the loader to repair
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", REMOTE_CHILD, *map(str, folders.values())], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def run_child():
+        proc = subprocess.run([sys.executable, "-c", REMOTE_CHILD, *map(str, folders.values())], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    report = run_child()
+    for folder in folders.values():
+        assert str(folder / JOURNAL) in report[str(folder)]["refused"]
+        assert "interrupted save" in report[str(folder)]["refused"]
+        assert (folder / JOURNAL).exists()  # untouched
+    for label, model in (("old", old), ("new", new)):
+        assert weight_digests(DATForCausalLM.from_pretrained(folders[label])) == weight_digests(model)
+        assert not (folders[label] / JOURNAL).exists()
+    report = run_child()
     for label, model in (("old", old), ("new", new)):
         loaded = report[str(folders[label])]
         assert loaded["module"].startswith("transformers_modules.")
         assert loaded["weights"] == weight_digests(model)
-        assert not (folders[label] / JOURNAL).exists()
 
 
 # ---- planted links, damaged journals --------------------------------------------------------------------------------
@@ -468,7 +484,8 @@ def race(tmp_path, saves, capsys=None):
     model.save_pretrained(folder, max_shard_size="20KB")
     writer = subprocess.Popen([sys.executable, "-c", RACE_WRITER, str(folder), str(saves)],
                               cwd=os.path.dirname(__file__), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(  # (this checkout's dat_hf)
+                                  [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))])})
     records = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -23,11 +23,14 @@ from transformers import (
 
 import dat_hf
 from conftest import tiny_config
-from dat_hf import DATConfig, DATForCausalLM, DATForSequenceClassification, DATModel
+from dat_hf import (DATConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM, DATForSequenceClassification,
+                    DATModel, DATSeq2SeqConfig, DATVisionConfig)
 
 PACKAGE_DIR = Path(dat_hf.__file__).parent
 REPO_ROOT = PACKAGE_DIR.parent
 AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
+# modules only the installed package needs (hooked in by `import dat_hf`): never copied as remote code
+LOCAL_ONLY = {"atomic_save.py", "checkpoint_bounds.py", "safe_folders.py"}
 
 TEXT = """\
 Shall I compare thee to a summer's day?
@@ -155,6 +158,33 @@ def test_config_auto_map(tmp_path):
         assert (tmp_path / name).read_text() == (PACKAGE_DIR / name).read_text()
 
 
+def family_models():
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_sensory_heads=2, num_relational_heads=2,
+                intermediate_size=64, num_symbols=8, symbolic_attention_heads=2, max_position_embeddings=16)
+    return {
+        "causal_lm": lambda: DATForCausalLM(DATConfig(vocab_size=16, **tiny)),
+        "vision": lambda: DATForImageClassification(DATVisionConfig(image_size=8, patch_size=4, num_channels=1,
+                                                                    num_labels=2, **tiny)),
+        "seq2seq": lambda: DATForSeq2SeqLM(DATSeq2SeqConfig(vocab_size=16, encoder_layers=1, **tiny)),
+    }
+
+
+@pytest.mark.parametrize("family", ["causal_lm", "vision", "seq2seq"])
+def test_copied_code_is_the_model_definition(family, tmp_path):
+    """`save_pretrained` copies the model's definition only: dat_hf's crash-safe saving and its checks of untrusted
+    folders (installed into the hook points by `import dat_hf`) stay in the package."""
+    model = family_models()[family]()
+    model.save_pretrained(tmp_path)
+    copied = {path.name for path in tmp_path.glob("*.py")}
+    assert "configuration_dat.py" in copied and "modeling_dat.py" in copied
+    assert not copied & LOCAL_ONLY, copied & LOCAL_ONLY
+    # ... yet in this process (dat_hf imported) saving and loading go through them
+    from dat_hf import safe_folders
+
+    assert dat_hf.modeling_dat.SAVE_LOAD_HOOKS == {"save": safe_folders.save, "load": safe_folders.load,
+                                                   "build": safe_folders.build}
+
+
 def test_auto_classes_in_process(tmp_path):
     model = make_model()
     model.save_pretrained(tmp_path)
@@ -264,9 +294,16 @@ with torch.no_grad():
     clf = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=2)
     report["clf_class"] = type(clf).__name__
 
+    # saved again by the remote code: Transformers' own save_pretrained (dat_hf's crash-safe saving is not copied)
+    model.save_pretrained(work / "resaved")
+    report["resaved_files"] = sorted(os.listdir(work / "resaved"))
+    results["resaved_logits"] = AutoModelForCausalLM.from_pretrained(work / "resaved", trust_remote_code=True)(
+        inputs["input_ids"]).logits
+
     generator = pipeline("text-generation", model=str(work / "lm"), trust_remote_code=True, device="cpu")
     report["pipeline_model_class"] = type(generator.model).__module__ + "." + type(generator.model).__name__
     report["pipeline_text"] = generator(PROMPT, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+report["modules"] = sorted(name for name in sys.modules if name.startswith("transformers_modules."))
 save_file({k: v.contiguous() for k, v in results.items()}, str(work / "results.safetensors"))
 (work / "report.json").write_text(json.dumps(report))
 '''
@@ -305,6 +342,20 @@ def test_remote_code_loads_without_dat_hf(remote_run):
     assert "transformers_modules" in report["config_class"]
     assert report["base_class"] == "DATModel"
     assert report["clf_class"] == "DATForSequenceClassification"
+    # only the model's definition was imported: nothing of dat_hf's saving and loading machinery
+    loaded = {name.rsplit(".", 1)[-1] + ".py" for name in report["modules"]}
+    assert "modeling_dat.py" in loaded and not loaded & LOCAL_ONLY, report["modules"]
+
+
+def test_remote_code_saves_and_loads_plainly(remote_run):
+    """Without dat_hf the remote code saves with Transformers' `save_pretrained` (no staging or backup folders, no
+    journal) and the saved folder loads back to the same model."""
+    files = remote_run["report"]["resaved_files"]
+    assert not [name for name in files if name.startswith(".dat_hf")], files
+    assert {"config.json", "model.safetensors", "modeling_dat.py"} <= set(files)
+    assert not set(files) & LOCAL_ONLY
+    torch.testing.assert_close(remote_run["results"]["resaved_logits"], remote_run["expected"]["logits"],
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_remote_code_same_outputs(remote_run):

@@ -1,0 +1,90 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
+"""What `import dat_hf` adds to `save_pretrained` and `from_pretrained` of every DAT model class, through the hook
+points of `modeling_dat.SAVE_LOAD_HOOKS`:
+
+- saving is crash-safe (`atomic_save.save_atomically`);
+- loading a local folder first completes or undoes an interrupted save, checks the config against the checkpoint's
+  tensor index before the model is built (`checkpoint_bounds`), and loads again if a save commits during the load
+  (`atomic_save.load_consistently`).
+
+The model files import none of this: `save_pretrained` copies them, and only them, as a folder's remote code, which
+without dat_hf saves and loads as any Transformers model does.
+"""
+
+import contextvars
+import os
+
+from transformers import PreTrainedConfig
+from transformers.utils import logging
+
+from .atomic_save import finish_interrupted_save, load_consistently, save_atomically
+from .checkpoint_bounds import check_against_checkpoint, local_checkpoint_index
+from .configuration_dat import config_source
+
+logger = logging.get_logger(__name__)
+
+# (checkpoint index, its file, whether shapes must match) of the local folder `from_pretrained` is loading
+_PENDING_CHECKPOINT = contextvars.ContextVar("dat_hf_pending_checkpoint", default=None)
+
+
+def save(model, save_pretrained, save_directory, *args, **kwargs):
+    """`save_pretrained(save_directory, ...)` (Transformers'), written into a staging folder and switched in
+    atomically, except for what is not one whole model written here (uploads, adapters, the other ranks)."""
+    is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+    if (kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
+            or getattr(model, "_hf_peft_config_loaded", False) or not model.should_save_on_this_rank(is_main_process)):
+        return save_pretrained(save_directory, *args, **kwargs)
+    save_atomically(save_directory, lambda staging: save_pretrained(staging, *args, **kwargs))
+
+
+def load(cls, from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
+    """`from_pretrained(pretrained_model_name_or_path, ...)` (Transformers'), for a local folder repaired first,
+    bounded by its checkpoint and consistent with concurrent saves."""
+    folder = None
+    if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+        folder = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+        finish_interrupted_save(folder)
+    if folder is None or not os.path.isdir(folder) or kwargs.get("gguf_file") or kwargs.get("state_dict"):
+        return from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def load_once():
+        call_kwargs = dict(kwargs)
+        source = config_source(kwargs.get("config"))
+        if source is not None and os.path.isfile(os.path.join(folder, "config.json")):
+            # a config read (by AutoConfig) before a save committed would pair the old config with new weights
+            now, _ = PreTrainedConfig.get_config_dict(folder)
+            if now != source[0]:
+                logger.warning("dat_hf: %s changed after it was read (a save committed in between); read it "
+                               "again: this is the new model's config.", os.path.join(folder, "config.json"))
+                config = type(kwargs["config"]).from_dict(now, **source[1])
+                call_kwargs["config"] = config[0] if isinstance(config, tuple) else config
+        index = local_checkpoint_index(folder, kwargs.get("variant"))
+        token = _PENDING_CHECKPOINT.set(None if index is None else
+                                        [*index, not kwargs.get("ignore_mismatched_sizes", False)])
+        try:
+            return from_pretrained(pretrained_model_name_or_path, *args, **call_kwargs)
+        finally:
+            _PENDING_CHECKPOINT.reset(token)
+
+    return load_consistently(folder, load_once)
+
+
+def build(cls, args):
+    """In `from_pretrained` of a local folder: the config is checked against the checkpoint before the model (its
+    __init__) is built (once, for the outermost model; the check builds the model on the meta device)."""
+    pending = _PENDING_CHECKPOINT.get()
+    if pending is not None and args and isinstance(args[0], PreTrainedConfig):
+        _PENDING_CHECKPOINT.set(None)
+        shapes, source, check_shapes = pending
+        check_against_checkpoint(args[0], cls, shapes, source, check_shapes=check_shapes)
+
+
+def install(hooks):
+    """Put crash-safe saving and the checks of local folders into `hooks` (`modeling_dat.SAVE_LOAD_HOOKS`)."""
+    hooks.update(save=save, load=load, build=build)
+
+
+__all__ = ["build", "install", "load", "save"]
