@@ -10,6 +10,11 @@ and the authors' reference (`dual-attention`, converted weights).
     python scripts/benchmark.py train --relational-bias sliding_window --window 256 --seq 2048 8192 --impls dat_hf
     python scripts/benchmark.py train --device cuda --dtype bf16 --preset dat-343m --seq 1024 2048 4096 8192
     python scripts/benchmark.py parts --seq 2048 4096 --repeats 5
+    python scripts/benchmark.py train --impls dat_hf llama --baseline main=/tmp/main --baseline 6f2d11b=/tmp/6f2d11b
+
+`dat_hf` is the checkout this script is in (its folder comes first on every worker's PYTHONPATH, ahead of an editable
+install of another checkout); each `--baseline NAME=DIR` is dat_hf imported from the checkout DIR (e.g.
+`git worktree add --detach /tmp/6f2d11b 6f2d11b`), run by this script's workers and reported as NAME beside the others.
 
 Every measurement runs in its own process (peak memory = that process's max RSS on CPU, the allocator's peak on
 CUDA; "net" = peak minus the memory once the model and optimizer are built); the implementations alternate within
@@ -32,6 +37,7 @@ import time
 # glibc: never serve a block by its own mmap, never give freed memory back (every freed block is reused)
 HEAP_ONLY_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 IMPLS = ("dat_hf", "reference", "llama", "baseline", "dat_hf_causal")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose dat_hf `dat_hf` measures
 
 
 # ---- the models ------------------------------------------------------------------------------------------------------
@@ -473,7 +479,7 @@ def worker_generate(args):
 
 
 def run_worker(mode, impl, args, **extra):
-    cmd = [sys.executable, __file__, f"_{mode}", "--impl", impl]
+    cmd = [sys.executable, __file__, f"_{mode}", "--impl", "baseline" if impl in baselines(args) else impl]
     for key, value in {**vars(args), **extra}.items():
         if key in ("mode", "impl", "seq", "prompt", "out", "impls", "repeats", "baseline") or value is None:
             continue
@@ -492,12 +498,20 @@ def run_worker(mode, impl, args, **extra):
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     if args.malloc == "heap":
         env.update(HEAP_ONLY_MALLOC)
-    if impl == "baseline":  # dat_hf imported from another checkout
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(args.baseline), env.get("PYTHONPATH")]))
+    # dat_hf imported from a baseline's checkout, else from this one
+    checkout = baselines(args).get(impl, CHECKOUT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(checkout), env.get("PYTHONPATH")]))
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def baselines(args) -> dict:
+    """{name: checkout} of the `--baseline [NAME=]DIR` arguments (NAME defaults to `baseline`)."""
+    given = [args.baseline] if isinstance(args.baseline, str) else args.baseline or []
+    named = [value.partition("=") if "=" in value else ("baseline", "=", value) for value in given]
+    return {name: directory for name, _, directory in named}
 
 
 def sdpa_note(args):
@@ -575,7 +589,7 @@ def main_train(args):
              if args.malloc == "heap" else ""))
     print("times and memory: medians over repetitions; ratios: median [min-max] of the per-repetition ratios; "
           "flops: the FLOP model's dat_hf / llama for the relational backend that ran")
-    others = [o for o in ("reference", "llama", "baseline", "dat_hf_causal") if o in args.impls]
+    others = [o for o in ("reference", "llama", *baselines(args), "dat_hf_causal") if o in args.impls]
     header = f"{'seq':>6} {'impl':>13} {'backend':>8} {'time s':>8} {'peak GiB':>9} {'net GiB':>8}"
     header += "".join(f" {'t/' + o:>17}" for o in others) + "".join(f" {'m/' + o:>10}" for o in others)
     print(header + f" {'flops/llama':>11}")
@@ -610,7 +624,7 @@ def main_generate(args):
     print("times: medians over repetitions; ratios: median [min-max] of the per-repetition ratios; flops: the FLOP "
           "model's dat_hf / llama for a decoding step (decoding reads more than it computes: a lower bound of the "
           "work, not of the time)")
-    others = [o for o in ("llama", "reference", "baseline", "dat_hf_causal") if o in args.impls]
+    others = [o for o in ("llama", "reference", *baselines(args), "dat_hf_causal") if o in args.impls]
     print(f"{'prompt':>7} {'impl':>10} {'decode ms':>10} {'forward ms':>11} {'with prompt':>12} {'prefill s':>10}"
           f" {'cache MiB':>10}"
           + "".join(f" {'decode/' + o:>19}" for o in others) + "".join(f" {'forward/' + o:>19}" for o in others)
@@ -634,6 +648,13 @@ def main_generate(args):
                   + "; Dynamo's guard check per step: " + ", ".join(
                 f"{impl} {c['guard_check_us']:.0f} us ({c['guards']} guards)" for impl, c in counts.items()
                 if c and c["guard_check_us"]))
+    for prompt, row in table.items():  # a model that ignores the cache `generate` gives it decodes, wrongly and fast
+        for impl, r in row.items():
+            held = {x["cache_tokens"] for x in r["runs"] if x.get("cache_tokens") is not None}
+            if held - {prompt + args.new_tokens - 1}:
+                print(f"warning: prompt {prompt}, {impl}: the cache held {', '.join(map(str, sorted(held)))} tokens "
+                      f"after the last step, not {prompt + args.new_tokens - 1}: it decoded without the cache generate "
+                      "gave it (e.g. a checkout older than the Transformers installed); its times are not comparable")
     return table
 
 
@@ -734,7 +755,7 @@ def main_parts(args):
     return table
 
 
-def plot(table, path):
+def plot(table, path, impls=IMPLS):
     try:
         import matplotlib
 
@@ -744,7 +765,7 @@ def plot(table, path):
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     seqs = sorted(table)
-    for impl in IMPLS:
+    for impl in impls:
         for ax, key, label in ((axes[0], "time_s", "train step (s)"), (axes[1], "peak_gib", "peak memory (GiB)")):
             points = [(s, table[s][impl][key]) for s in seqs if impl in table[s] and table[s][impl][key]]
             if points:
@@ -763,11 +784,13 @@ def parser():
                    metavar="{train,generate,parts}", help="train: one training step per sequence length; generate: greedy decoding after a prompt; "
                         "parts: one layer's components (attention, symbol retrieval, MLP, kernels) beside Llama's")
     models = p.add_argument_group("models")
-    models.add_argument("--impls", nargs="+", default=["dat_hf", "reference", "llama"], choices=IMPLS,
-                        help="implementations to compare (baseline: dat_hf from the --baseline checkout; "
-                             "dat_hf_causal: dat_hf with the causal bias, beside a --relational-bias)")
-    models.add_argument("--baseline", metavar="DIR",
-                        help="a checkout of dat_hf (e.g. `git worktree add /tmp/old <commit>`) measured as `baseline`")
+    models.add_argument("--impls", nargs="+", default=["dat_hf", "reference", "llama"], metavar="IMPL",
+                        help=f"implementations to compare, of {', '.join(IMPLS)} and the --baseline names (dat_hf: "
+                             "this checkout; dat_hf_causal: dat_hf with the causal bias, beside a --relational-bias); "
+                             "every --baseline not listed runs after them")
+    models.add_argument("--baseline", metavar="[NAME=]DIR", action="append",
+                        help="a checkout of dat_hf (e.g. `git worktree add --detach /tmp/old <commit>`) measured as "
+                             "NAME (default: baseline); repeat it for several checkouts, each with its own ratios")
     models.add_argument("--preset", help="the shapes of a model preset (e.g. dat-343m; Llama matched), at --layers")
     models.add_argument("--layers", type=int, help="depth (default 4, or the preset's)")
     models.add_argument("--vocab", type=int, default=1024, help="vocabulary of the small benchmark model")
@@ -824,8 +847,22 @@ def parser():
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
-    if "baseline" in args.impls and not args.baseline:
-        p.error("--impls baseline needs --baseline DIR")
+    named = baselines(args)
+    for name, directory in named.items():
+        if name in IMPLS and name != "baseline" or not name:
+            p.error(f"--baseline {name}={directory}: NAME must differ from {', '.join(set(IMPLS) - {'baseline'})}")
+        if not os.path.isdir(os.path.join(directory, "dat_hf")):
+            p.error(f"--baseline {name}={directory}: no dat_hf package there (a checkout of dat_hf?)")
+        if args.mode in ("train", "generate") and name not in args.impls:
+            args.impls.append(name)
+    if len(named) != len(args.baseline or []):
+        p.error("--baseline: every NAME once")
+    unknown = [impl for impl in args.impls if impl not in IMPLS and impl not in named]
+    if unknown or "baseline" in args.impls and "baseline" not in named:
+        p.error(f"--impls {' '.join(unknown or ['baseline'])}: not one of {', '.join(IMPLS)} or a --baseline NAME "
+                "(--impls baseline needs --baseline DIR)")
+    if not args.mode.startswith("_"):  # (workers: their PYTHONPATH's dat_hf) this checkout's for the FLOP model, parts
+        sys.path.insert(0, CHECKOUT)
     if args.mode in ("train", "generate"):  # a preset's dat_hf gets the reference's weights when both are measured
         args.from_reference = "reference" in args.impls
     if args.mode == "_train":  # one measurement (`run_worker` starts these)
@@ -840,7 +877,7 @@ def main(argv=None):
         with open(os.path.join(args.out, f"{args.mode}.json"), "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "results": table}, f, indent=2)
         if args.mode == "train":
-            plot(table, os.path.join(args.out, "train_scaling.png"))
+            plot(table, os.path.join(args.out, "train_scaling.png"), args.impls)
 
 
 if __name__ == "__main__":

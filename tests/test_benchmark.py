@@ -75,6 +75,37 @@ def test_benchmark_heap_only_malloc_reaches_the_workers(tmp_path):
     assert run["malloc_env"] == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
+def test_several_named_baselines_each_get_their_ratios(tmp_path):
+    """`--baseline NAME=DIR`, repeated: each checkout runs as NAME after the listed implementations, with its own
+    ratios to every other one; its workers import dat_hf from DIR, `dat_hf`'s from this checkout."""
+    args = ("--impls", "llama", "--baseline", f"one={REPO}", "--baseline", f"two={REPO}")
+    stdout, report = run_benchmark(tmp_path, "train", *args, "--seq", "32", "--steps", "1", "--batch", "1", *TINY)
+    assert report["args"]["impls"] == ["llama", "one", "two"]
+    results = report["results"]["32"]
+    for impl in ("one", "two"):
+        assert results[impl]["errors"] == [] and results[impl]["time_s"] > 0, results[impl]
+        assert results[impl]["ratios"]["time_s/llama"]["pairs"], results[impl]
+    assert "t/one" in stdout and "t/two" in stdout
+    _, report = run_benchmark(tmp_path, "generate", *args, "--prompt", "6", "--new-tokens", "3", *TINY)
+    results = report["results"]["6"]
+    for impl in ("one", "two"):  # (the cache held the prompt and every new token but the last)
+        assert results[impl]["errors"] == [] and results[impl]["runs"][0]["cache_tokens"] == 8, results[impl]
+        assert results[impl]["ratios"]["decode_ms_per_token/llama"]["pairs"], results[impl]
+
+
+def test_baseline_arguments_are_checked():
+    import pytest
+
+    benchmark = benchmark_module()
+    args = benchmark.parser().parse_args(["train", "--baseline", "/tmp/old", "--baseline", "new=/tmp/x=y"])
+    assert benchmark.baselines(args) == {"baseline": "/tmp/old", "new": "/tmp/x=y"}
+    assert benchmark.baselines(benchmark.parser().parse_args(["train"])) == {}
+    for argv in (["--impls", "baseline"], ["--impls", "dat_hf", "other"], ["--baseline", f"llama={REPO}"],
+                 ["--baseline", f"a={REPO}", "--baseline", f"a={REPO}"], ["--baseline", "a=/nonexistent"]):
+        with pytest.raises(SystemExit):
+            benchmark.main(["train", *argv])
+
+
 def test_pair_ratios_pair_repetitions_and_skip_missing_runs():
     benchmark = benchmark_module()
     pair_ratios, ratio_cell = benchmark.pair_ratios, benchmark.ratio_cell
