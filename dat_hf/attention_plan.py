@@ -107,6 +107,7 @@ class PlannedAttention:
     def _place(self, source: AttentionMask):
         """The masks of `source` in this entry's format."""
         self.source, self.row_valid, self.is_causal = source, source.row_valid, source.is_causal
+        self._dense = {}
         # an implicit causal mask over more senders than receivers: a prefill into a static cache, whose later slots
         # are empty (a BlockMask is sized for every slot and skips the empty ones itself)
         self.trims = not source.masked and source.is_causal and not (self.mask_format == "block_mask"
@@ -133,8 +134,12 @@ class PlannedAttention:
         return moved
 
     def weights_mask(self, q_len: int, kv_len: int, device):
-        """The explicit mask `[b|1, 1, q, kv]` (or None) for the functions that form the weights themselves."""
-        return mask_in_format(self.source, "dense", q_len, kv_len, device)
+        """The explicit mask `[b|1, 1, q, kv]` (or None) for the functions that form the weights themselves (formed
+        once per shape and forward: every layer's call over the bias shares it)."""
+        key = (q_len, kv_len)
+        if key not in self._dense:
+            self._dense[key] = mask_in_format(self.source, "dense", q_len, kv_len, device)
+        return self._dense[key]
 
     def _senders(self, q_len: int, kv_len: int) -> int:
         return q_len if self.trims and 1 < q_len < kv_len else kv_len

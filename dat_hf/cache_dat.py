@@ -4,7 +4,7 @@
 # License. See the LICENSE file at the root of the dat_hf repository.
 """Cache layers for DAT decoding (PyTorch only).
 
-One cache layer per DAT layer holds both head types (see `DualAttention`): keys `[b, h_kv_s + h_kv_r, n, d_h]` and
+One cache layer per DAT layer holds both head types (see `PackedCache`): keys `[b, h_kv_r + h_kv_s, n, d_h]` and
 one flat value slot `[b, 1, n, width]` (sensory values | symbol values | relation keys), so keys and values have
 their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decoding step without copying the cache;
 `DATStaticLayer` (for `StaticCache`, `cache_implementation="static"`, `torch.compile`) preallocates both, and
@@ -115,7 +115,7 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
     Dynamo guards: a graph per token) and returns the slots in ring order; longer updates (a prefill, eagerly)
     return the window's tokens oldest first, as Transformers' layer does. Transformers builds masks oldest first:
     `to_slots` puts a one-token step's mask in ring order, and `query_slot` gives the receiver's slot, from which the
-    position-relative symbols take their offsets modulo the ring (`symbol_rows`). `get_mask_sizes` reads the count
+    position-relative symbols take their offsets modulo the ring (`RelativeSymbols`). `get_mask_sizes` reads the count
     on the host, so the masks are built outside a compiled step (as `generate` builds them,
     `create_masks_for_generate`).
     """

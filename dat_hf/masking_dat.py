@@ -72,7 +72,7 @@ class AttentionMask:
 
     mask: None (no masking, or, when `is_causal`, plain causal order as Transformers' masks leave it implicit:
         receiver i sees senders j <= i, and a single receiver (a decoding step) sees every sender; senders past the
-        receivers are then empty slots of a static cache, see `senders_in_view`), bool `[b|1, 1, q, kv]` (True =
+        receivers are then empty slots of a static cache, which the attention plan trims), bool `[b|1, 1, q, kv]` (True =
         attend) or, from a user's 4-D mask, additive float. A sliding window over a long sequence keeps its index
         arithmetic (`window`) instead: its blocks come from it and the dense mask is built only when asked for.
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.

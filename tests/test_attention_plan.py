@@ -1,0 +1,79 @@
+"""The attention plan (`dat_hf/attention_plan.py`): selection and mask conversion happen once per forward, not per
+layer call; the layers hand their planned mask to the function without asking the mask object anything; every mask
+format a backend may declare gives the same messages as the reference."""
+
+import pytest
+import torch
+from relational_cases import Heads, assert_close, call_backend, make_inputs, random_bool_mask
+
+import dat_hf.attention_plan as attention_plan
+import dat_hf.masking_dat as masking_dat
+from dat_hf import DATConfig, DATForCausalLM
+from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
+
+
+def tiny(**overrides):
+    fields = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_sensory_heads=2, num_relational_heads=2,
+                  intermediate_size=64, max_position_embeddings=128)
+    return DATConfig(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("biases", [dict(), dict(relational_bias="sliding_window", sliding_window_size=3),
+                                    dict(relational_bias=["causal", "sliding_window"] * 2, sliding_window_size=3)])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_selection_and_mask_conversion_run_once_per_forward(monkeypatch, biases, attn):
+    """A 4-layer forward selects one relational backend and converts each mask once per (bias, head type), however
+    many layers use it; the layer calls ask the `AttentionMask` nothing (no `dense`, `mask`, `block`)."""
+    model = DATForCausalLM(tiny(attn_implementation=attn, **biases)).eval()
+    selections, conversions, asked = [], [], []
+    select, convert = attention_plan.select_relational_attention, attention_plan.mask_in_format
+    monkeypatch.setattr(attention_plan, "select_relational_attention",
+                        lambda *args: selections.append(args[0]) or select(*args))
+    monkeypatch.setattr(attention_plan, "mask_in_format", lambda *args: conversions.append(args[1]) or convert(*args))
+    layer_calls = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: layer_calls.append(module.layer_idx))
+
+    def watch(name):
+        original = getattr(masking_dat.AttentionMask, name)
+
+        def watched(self, *args, **kwargs):
+            if layer_calls:  # (once the layers run: the plan is built by then)
+                asked.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(masking_dat.AttentionMask, name, watched)
+
+    for name in ("dense", "block", "to"):
+        watch(name)
+    distinct = len(set(model.config.layer_biases()[i][1] for i in range(4)))
+    with torch.no_grad():
+        model(torch.randint(1, 97, (2, 12)))
+    assert layer_calls == [0, 1, 2, 3]
+    assert len(selections) == distinct, selections
+    # per entry at most its format (sensory eager forms its dense mask from the lengths of the call, once per shape)
+    assert len([fmt for fmt in conversions if fmt != "dense"]) <= 2 * distinct
+    assert len([fmt for fmt in conversions if fmt == "dense"]) <= 2 * distinct
+    assert not [name for name in asked if name != "dense"], asked
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "cpu"])
+def test_each_mask_format_gives_the_reference(backend):
+    """A backend gets the mask in the format it declares (`mask_in_format`); through `call_backend` (the plan's
+    conversion) each equals the float64 reference on a random mask."""
+    if backend not in RELATIONAL_ATTENTION_FUNCTIONS:
+        pytest.skip(f"{backend} is not registered here (no C++ compiler)")
+    module = Heads(h=4, h_kv=2, dtype=torch.float32)
+    module64 = Heads(h=4, h_kv=2, relation_proj=module.relation_proj.detach().double())
+    inputs = make_inputs(b=2, h=4, h_kv=2, q_len=9, kv_len=9, dtype=torch.float32)
+    inputs64 = [t.detach().double() for t in inputs]
+    mask = masking_dat.AttentionMask(random_bool_mask(2, 9, 9), None, False)
+    expected = call_backend("eager", module64, *inputs64, mask)[0]
+    with torch.no_grad():
+        got = call_backend(backend, module, *inputs, mask)[0]
+    assert_close(got, expected, atol=2e-5, what=f"{backend} ({RELATIONAL_ATTENTION_FUNCTIONS[backend].mask_format})")
+
+
+def test_unknown_mask_format_is_named():
+    with pytest.raises(ValueError, match="Unknown mask format 'csr'"):
+        attention_plan.mask_in_format(masking_dat.AttentionMask(None, None, True), "csr")
