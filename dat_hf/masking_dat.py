@@ -59,12 +59,17 @@ def cut(x: torch.Tensor, dim: int, ranges) -> tuple:
     return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
 
 
+def receiver_offset(q_len: int, kv_len: int, offset=None):
+    """The one definition of the first receiver's index among the keys: `offset` when given (an int or a tensor),
+    else `kv - q` (the `q_len` new tokens are the last of the `kv_len` keys)."""
+    return kv_len - q_len if offset is None else offset
+
+
 def receiver_positions(q_len: int, kv_len: int, device, offset=None, start: int = 0, end: int | None = None):
-    """The one definition of where receivers sit among the keys: receivers [start, end) of `q_len` new tokens over
-    `kv_len` keys are at `offset + i`, `offset` the first receiver's index among the keys (default `kv - q`: the new
-    tokens are the last keys) -> long `[end - start]`."""
+    """Where receivers sit among the keys: receivers [start, end) of `q_len` new tokens over `kv_len` keys are at
+    `receiver_offset(q_len, kv_len, offset) + i` -> long `[end - start]`."""
     end = q_len if end is None else end
-    return torch.arange(start, end, device=device) + (kv_len - q_len if offset is None else offset)
+    return torch.arange(start, end, device=device) + receiver_offset(q_len, kv_len, offset)
 
 
 class AttentionMask:
@@ -243,8 +248,9 @@ def _if_skipping_enough(blocks, q_len: int, kv_len: int, is_causal: bool) -> tup
 
 def transformers_window(previous: int, two_sided: bool) -> int:
     """dat_hf's one window convention, `previous` = p (a receiver sees its p previous tokens and itself, or also its
-    p next ones when two-sided; `sliding_window_size`), in Transformers' convention (its mask functions, mask builders
-    and cache layers, the Triton op): the senders up to and including the receiver, p + 1, or p each side."""
+    p next ones when two-sided; `sliding_window_size`; the kernels take it as is), in Transformers' convention (its
+    mask functions, mask builders and cache layers): the senders up to and including the receiver, p + 1, or p each
+    side."""
     return previous if two_sided else previous + 1
 
 

@@ -175,19 +175,19 @@ def test_bad_inputs_name_the_problem(loaded):
     qr, kr = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3, 4)
     op = torch.ops.dat_hf.relational_attention_forward
     with pytest.raises(RuntimeError, match="query must be a float32 CPU tensor"):
-        op(q.double(), k, v, qr, kr, None, True, 1.0, 1.0)
+        op(q.double(), k, v, qr, kr, None, True, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="symbol values"):
-        op(q, k, v[:1], qr, kr, None, True, 1.0, 1.0)  # a batch-1 view must be expanded first
+        op(q, k, v[:1], qr, kr, None, True, 0, 1.0, 1.0)  # a batch-1 view must be expanded first
     with pytest.raises(RuntimeError, match="relation queries"):
-        op(q, k, v, qr[:, :4], kr, None, True, 1.0, 1.0)
+        op(q, k, v, qr[:, :4], kr, None, True, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="h divisible by h_kv"):
-        op(q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), qr, kr, None, True, 1.0, 1.0)
+        op(q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), qr, kr, None, True, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="causal attention needs kv_len >= q_len"):
-        op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], None, True, 1.0, 1.0)
+        op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], None, True, -2, 1.0, 1.0)
     with pytest.raises(RuntimeError, match=r"the mask must be bool \[b or 1, q or 1, kv\] = \[2 or 1, 5 or 1, 5\]"):
-        op(q, k, v, qr, kr, torch.ones(2, 5, 4, dtype=torch.bool), True, 1.0, 1.0)
+        op(q, k, v, qr, kr, torch.ones(2, 5, 4, dtype=torch.bool), True, 0, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="the mask must be bool"):
-        op(q, k, v, qr, kr, torch.ones(2, 5, 5), True, 1.0, 1.0)
+        op(q, k, v, qr, kr, torch.ones(2, 5, 5), True, 0, 1.0, 1.0)
 
 
 # ---- torch.compile -------------------------------------------------------------------------------------------

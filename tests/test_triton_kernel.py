@@ -175,9 +175,9 @@ def test_kernels_compile_for_hopper_at_the_343m_shapes(triton_kernel, monkeypatc
         triton_kernel._backward_op(symbols, relations, q, k, v, q_rel, k_rel, symbols, relations, lse, **options,
                                    scaling=0.125, relation_scaling=0.125)
 
-    causal = dict(mask=None, causal=True, window=0, two_sided=False)
+    causal = dict(mask=None, causal=True, window=None, two_sided=False)
     padding = torch.ones(2, 1, 1, 64, dtype=torch.bool).index_fill_(3, torch.arange(5), False)
-    window = dict(mask=padding, causal=False, window=16, two_sided=False)
+    window = dict(mask=padding, causal=False, window=15, two_sided=False)
     launch_all(torch.bfloat16, **causal)
     launch_all(torch.bfloat16, **window)
     launch_all(torch.float32, **causal)
@@ -204,8 +204,8 @@ def test_kernels_compile_for_hopper_at_the_343m_shapes(triton_kernel, monkeypatc
     monkeypatch.setattr(triton_kernel, "_combine_kernel", combine)
     q, k, v = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16), *torch.randn(2, 1, 4, 4096, 64, dtype=torch.bfloat16)
     q_rel, k_rel = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16), torch.randn(1, 4096, 8, 64, dtype=torch.bfloat16)
-    triton_kernel._forward_op(q, k, v, q_rel, k_rel, mask=None, causal=True, window=0, two_sided=False, scaling=0.125,
-                              relation_scaling=0.125)
+    triton_kernel._forward_op(q, k, v, q_rel, k_rel, mask=None, causal=True, window=None, two_sided=False,
+                              scaling=0.125, relation_scaling=0.125)
     step, joined = kernels["_forward_kernel"].launches[-1], combine.launches[-1]
     assert joined["splits"] > 1 and step["split_size"] * joined["splits"] >= 4096
     assert _compile_for_hopper(kernels["_forward_kernel"].kernel, step, kernels["_forward_kernel"].kernel.configs[0]

@@ -9,8 +9,9 @@ CUDA machine, run them directly with compiled kernels: `python -m pytest tests/t
 - the op against the reference split into its two aggregations, for head chunks with padded heads (12 heads over 4 kv
   heads), head and relation dims that are not powers of two, causal prefill after a cache, a strided (model-layout)
   query, a mask that isolates receivers (zeros and zero gradients, no NaN);
-- the op's sliding window (one- and two-sided, with and without padding, windows of 1, within, equal to and beyond a
-  tile) against the reference with Transformers' window mask, isolated receivers zero;
+- the op's sliding window of p previous tokens (one- and two-sided, with and without padding, p = 0 and 1, within,
+  equal to and beyond a tile) against the reference with Transformers' window mask (`transformers_window`), isolated
+  receivers zero;
 - the loops of the three kernels walk exactly the tiles that hold a visible pair (causal, sliding windows, after a
   cache), no fewer and no more;
 - float16 and bfloat16 values and gradients against the float64 reference on the same rounded inputs;
@@ -40,7 +41,7 @@ import dat_hf.masking_dat as masking_dat
 from dat_hf import DATEncoderConfig, DATForCausalLM, DATForTokenClassification
 from dat_hf.kernels import triton_relational as kernel
 from dat_hf.kernels.triton_relational import _receiver_range, _sender_range
-from dat_hf.masking_dat import AttentionMask
+from dat_hf.masking_dat import AttentionMask, receiver_positions, transformers_window
 
 DEVICE = "cpu" if kernel.INTERPRETED else "cuda"
 SCALING, RELATION_SCALING = 0.37, 0.61
@@ -74,16 +75,22 @@ def test_matrix_runs_what_the_cpu_kernel_runs():
 
 
 # ---- the op ---------------------------------------------------------------------------------------------------------
+def window_function(window, two_sided):
+    """Transformers' sliding window mask function of dat_hf's window of `window` previous tokens."""
+    make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
+    return make(transformers_window(window, two_sided))
+
+
 def op_reference_mask(b, q_len, kv_len, causal, mask=None, window=None, two_sided=False):
     """The op's masking as an explicit mask for the reference: `mask` (bool `[b|1, 1, q|1, kv]`, or none) on top of
     the op's causal order and Transformers' sliding window mask function, in which receiver i sits at position
-    kv - q + i. Receivers without senders attend everywhere (`row_valid` `[b, 1, q, 1]` says which)."""
+    kv - q + i (`receiver_positions`). Receivers without senders attend everywhere (`row_valid` `[b, 1, q, 1]` says
+    which)."""
     full = torch.ones(b, 1, q_len, kv_len, dtype=torch.bool) if mask is None else mask.expand(b, 1, q_len, kv_len)
     allowed = causal_and(full, q_len, kv_len) if causal else full
     if window is not None:
-        make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
-        allowed = allowed & make(window)(None, None, torch.arange(q_len)[:, None] + kv_len - q_len,
-                                         torch.arange(kv_len)[None, :])
+        allowed = allowed & window_function(window, two_sided)(
+            None, None, receiver_positions(q_len, kv_len, "cpu")[:, None], torch.arange(kv_len)[None, :])
     row_valid = allowed.any(-1, keepdim=True)
     return AttentionMask(allowed | ~row_valid, row_valid, False)
 
@@ -147,7 +154,7 @@ SPLIT_CASES = {  # (spec, causal, mask builder, window): the senders in splits o
     "decoding-gqa": (dict(b=2, h=4, h_kv=2, q_len=1, kv_len=200), True, None, None),
     "decoding-padded-a-row-without-senders": (dict(b=3, q_len=1, kv_len=150), False,
                                               lambda: right_padding(3, 150, [150, 40, 0]), None),
-    "decoding-window-leaves-splits-empty": (dict(b=1, q_len=1, kv_len=200), True, None, 40),
+    "decoding-window-leaves-splits-empty": (dict(b=1, q_len=1, kv_len=200), True, None, 39),
     "receivers-after-a-cache": (dict(b=1, q_len=20, kv_len=200, d=8, R=2, d_r=4), True, None, None),
 }
 
@@ -170,13 +177,15 @@ def left_padding(b, kv_len, lengths):
     return right_padding(b, kv_len, lengths).flip(-1)
 
 
-# (spec, window, two_sided, causal, padding): tiles of 16 receivers x 32 senders under the interpreter
+# (spec, window p, two_sided, causal, padding): tiles of 16 receivers x 32 senders under the interpreter
 WINDOW_CASES = {
+    "one-sided-window-0": (dict(q_len=40, kv_len=40), 0, False, True, None),
     "one-sided-window-1": (dict(q_len=40, kv_len=40), 1, False, True, None),
-    "one-sided-in-a-tile-left-padding-isolates": (dict(b=3, q_len=70, kv_len=70), 9, False, True,
+    "one-sided-in-a-tile-left-padding-isolates": (dict(b=3, q_len=70, kv_len=70), 8, False, True,
                                                   lambda: left_padding(3, 70, [70, 57, 30])),
-    "one-sided-a-tile-wide-not-causal": (dict(q_len=64, kv_len=64, d=8, R=2, d_r=4), 32, False, False, None),
-    "one-sided-after-cache": (dict(b=1, q_len=20, kv_len=45, d=8, R=2, d_r=4), 7, False, True, None),
+    "one-sided-a-tile-wide-not-causal": (dict(q_len=64, kv_len=64, d=8, R=2, d_r=4), 31, False, False, None),
+    "one-sided-after-cache": (dict(b=1, q_len=20, kv_len=45, d=8, R=2, d_r=4), 6, False, True, None),
+    "two-sided-window-0": (dict(q_len=40, kv_len=40), 0, True, False, None),
     "two-sided-window-1": (dict(q_len=40, kv_len=40), 1, True, False, None),
     "two-sided-in-a-tile-right-padding-isolates": (dict(b=3, q_len=60, kv_len=60), 5, True, False,
                                                    lambda: right_padding(3, 60, [60, 47, 20])),
@@ -187,8 +196,9 @@ WINDOW_CASES = {
 
 @pytest.mark.parametrize("case", list(WINDOW_CASES))
 def test_op_sliding_window_matches_reference(case):
-    """The op's window (index arithmetic; GQA, 4 heads over 2 kv heads) equals Transformers' window mask function
-    given to the reference as a dense mask; receivers whose window holds only padding get zeros and zero gradients."""
+    """The op's window of p previous tokens (index arithmetic; GQA, 4 heads over 2 kv heads) equals Transformers'
+    window mask function of that window given to the reference as a dense mask; receivers whose window holds only
+    padding get zeros and zero gradients."""
     spec, window, two_sided, causal, make_padding = WINDOW_CASES[case]
     padding = make_padding() if make_padding else None
     got, expected, grads, grads64 = run_op(dict(dict(h=4, h_kv=2), **spec), causal=causal, mask=padding,
@@ -202,49 +212,50 @@ def test_op_sliding_window_matches_reference(case):
 
 
 @triton.jit
-def _loop_bounds(SENDERS, RECEIVERS, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr,
+def _loop_bounds(SENDERS, RECEIVERS, q_len, kv_len, offset, window_lo, window_hi, CAUSAL: tl.constexpr,
                  WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program t writes [start, end) of the sender loop of receiver tile t (forward, dQ) and of the receiver loop of
     sender tile t (dKV)."""
     tile = tl.program_id(0)
     pair = tl.arange(0, 2)
-    start, end = _sender_range(tile * BLOCK_M, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M,
-                               BLOCK_N)
+    start, end = _sender_range(tile * BLOCK_M, q_len, kv_len, offset, window_lo, window_hi, CAUSAL, WINDOWED,
+                               BLOCK_M, BLOCK_N)
     tl.store(SENDERS + 2 * tile + pair, tl.where(pair == 0, start, end))
-    start, end = _receiver_range(tile * BLOCK_N, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M,
+    start, end = _receiver_range(tile * BLOCK_N, q_len, offset, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M,
                                  BLOCK_N)
     tl.store(RECEIVERS + 2 * tile + pair, tl.where(pair == 0, start, end))
 
 
 def test_loops_walk_exactly_the_tiles_with_visible_pairs():
-    """The kernels' loop bounds under causal order and a sliding window (one- and two-sided, after a cache, one
-    receiver) are tight and complete: a receiver tile's sender loop walks exactly the sender tiles holding a pair that
-    Transformers' mask functions let it see, and a sender tile's receiver loop exactly the receiver tiles that see it
-    (none for senders that no receiver sees). (A bound that walks extra tiles gives right values and only costs time,
-    so the value checks above cannot catch it.)"""
+    """The kernels' loop bounds under causal order and a sliding window of p previous tokens (one- and two-sided,
+    p = 0 up to beyond the sequence, after a cache, one receiver) are tight and complete: a receiver tile's sender
+    loop walks exactly the sender tiles holding a pair that Transformers' mask functions let it see, and a sender
+    tile's receiver loop exactly the receiver tiles that see it (none for senders that no receiver sees). (A bound
+    that walks extra tiles gives right values and only costs time, so the value checks above cannot catch it.)"""
     def tiles(start, end, size):
         assert start % size == 0, (start, size)  # loops start on a tile boundary
         return set(range(start // size, triton.cdiv(end, size))) if end > start else set()
 
     checked = 0
     for q_len, kv_len in ((40, 40), (70, 70), (20, 45), (1, 45), (33, 100)):
-        position = torch.arange(q_len)[:, None] + kv_len - q_len
+        offset = masking_dat.receiver_offset(q_len, kv_len)  # as the op passes it
+        position = receiver_positions(q_len, kv_len, "cpu")[:, None]
         for window, two_sided, causal in [(None, False, True), (None, False, False)] + [
-                (w, s, c) for w in (1, 7, 16, 32, 33, 200) for s in (False, True) for c in (True, False)]:
+                (w, s, c) for w in (0, 1, 7, 16, 31, 32, 200) for s in (False, True) for c in (True, False)]:
             visible = torch.ones(q_len, kv_len, dtype=torch.bool)
             if causal:
                 visible &= torch.arange(kv_len)[None, :] <= position
             lo = hi = 0
-            if window:
-                make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
-                visible &= make(window)(None, None, position, torch.arange(kv_len)[None, :])
-                lo, hi = (window, window) if two_sided else (window - 1, 0)  # as the op passes them
+            if window is not None:
+                visible &= window_function(window, two_sided)(None, None, position, torch.arange(kv_len)[None, :])
+                lo, hi = (window, window) if two_sided else (window, 0)  # as the op passes them
             for block_m, block_n in ((16, 32), (64, 32), (32, 64)):
                 m_tiles, n_tiles = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
                 senders = torch.zeros(max(m_tiles, n_tiles), 2, dtype=torch.int32, device=DEVICE)
                 receivers = torch.zeros_like(senders)
-                _loop_bounds[(max(m_tiles, n_tiles),)](senders, receivers, q_len, kv_len, lo, hi, CAUSAL=causal,
-                                                       WINDOWED=bool(window), BLOCK_M=block_m, BLOCK_N=block_n)
+                _loop_bounds[(max(m_tiles, n_tiles),)](senders, receivers, q_len, kv_len, offset, lo, hi,
+                                                       CAUSAL=causal, WINDOWED=window is not None, BLOCK_M=block_m,
+                                                       BLOCK_N=block_n)
                 case = (q_len, kv_len, window, two_sided, causal, block_m, block_n)
                 pairs = visible.nonzero()
                 for t, (start, end) in enumerate(senders[:m_tiles].tolist()):
@@ -254,7 +265,7 @@ def test_loops_walk_exactly_the_tiles_with_visible_pairs():
                     cols = pairs[(pairs[:, 1] // block_n) == t]
                     assert tiles(start, end, block_m) == set((cols[:, 0] // block_m).tolist()), (case, "receivers", t)
                 checked += 1
-    assert checked == 5 * 26 * 3
+    assert checked == 5 * 30 * 3
 
 
 def test_strided_query():
@@ -311,8 +322,8 @@ def test_bad_inputs_name_the_problem():
         op(q, k[:, :, :3], v[:, :, :3], qr, kr[:, :3], True, 1.0, 1.0)
     with pytest.raises(ValueError, match=r"the mask must be bool \[b\|1, 1, q\|1, kv\] = \[2\|1, 1, 5\|1, 5\]"):
         op(q, k, v, qr, kr, True, 1.0, 1.0, torch.ones(2, 1, 5, 4, dtype=torch.bool))
-    for window in (0, 2.0, True):
-        with pytest.raises(ValueError, match="the window must be None or a positive int"):
+    for window in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="the window must be None or an int >= 0"):
             op(q, k, v, qr, kr, True, 1.0, 1.0, window=window)
 
 
@@ -392,7 +403,7 @@ def test_long_sliding_window_is_one_call_per_layer(monkeypatch, family):
                                    inputs["attention_mask"].bool().cpu(), causal=family == "decoder")
     assert next(iter(mask.values())).window is not None  # (the window's index arithmetic applies)
     matrix.assert_backends_agree(model, inputs, backends=("triton",))
-    expected = (5, False) if family == "decoder" else (3, True)  # Transformers' window: sliding_window_size (+ 1)
+    expected = (4, False) if family == "decoder" else (3, True)  # the window: sliding_window_size
     assert windows == [(*expected, (3, 1, 1, 40))] * model.config.num_hidden_layers
 
 

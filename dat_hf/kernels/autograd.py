@@ -2,7 +2,7 @@
 
 A forward op `(query, key, values, q_rel, k_rel, mask, *options) -> (symbols, relations, lse)` and its backward op
 `(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse, mask, *options) -> the
-gradients of the five tensors`, where the options are the same non-tensor arguments (`causal, scaling,
+gradients of the five tensors`, where the options are the same non-tensor arguments (`causal, offset, scaling,
 relation_scaling` for `cpu`; `causal, window, two_sided, scaling, relation_scaling` for `triton`): the backward
 recomputes each block from the saved log-sum-exp (`lse` itself has no gradient).
 """

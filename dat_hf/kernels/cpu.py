@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import dual_attention
 from ..kernel_hooks import register_kernel
+from ..masking_dat import receiver_offset
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from ..relational_attention_fused import relational_output
 from .autograd import relational_op_autograd
@@ -54,13 +55,13 @@ def _register_python_side():
     """Fake (meta) kernels for tracing and the autograd formula of the forward op."""
 
     @torch.library.register_fake("dat_hf::relational_attention_forward")
-    def _forward_fake(query, key, values, q_rel, k_rel, mask, causal, scaling, relation_scaling):
+    def _forward_fake(query, key, values, q_rel, k_rel, mask, causal, offset, scaling, relation_scaling):
         b, h, n, d = query.shape
         return query.new_empty(b, n, h, d), query.new_empty(b, n, h, q_rel.shape[2]), query.new_empty(b, h, n)
 
     @torch.library.register_fake("dat_hf::relational_attention_backward")
     def _backward_fake(grad_symbols, grad_relations, query, key, values, q_rel, k_rel, symbols, relations, lse,
-                       mask, causal, scaling, relation_scaling):
+                       mask, causal, offset, scaling, relation_scaling):
         return tuple(t.new_empty(t.shape) for t in (query, key, values, q_rel, k_rel))
 
     @torch.library.register_fake("dat_hf::relational_attention_decode")
@@ -109,12 +110,12 @@ def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scal
                             mask=None):
     """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
     expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, all float32 on CPU;
-    causal: receiver i sees senders j <= kv - q + i; mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, on top of
-    causal; a receiver without senders gets zeros) -> attended symbols `[b, q, h, d_h]`, attended relations
-    `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
+    causal: receiver i sees senders j <= kv - q + i (the op takes the offset kv - q, `receiver_offset`); mask: None
+    or bool `[b|1, 1, q|1, kv]` (True = attend, on top of causal; a receiver without senders gets zeros) -> attended
+    symbols `[b, q, h, d_h]`, attended relations `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
     symbols, relations, _ = torch.ops.dat_hf.relational_attention_forward(
-        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), _kernel_mask(mask), causal, scaling,
-        relation_scaling)
+        *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), _kernel_mask(mask), causal,
+        receiver_offset(query.shape[2], key.shape[2]), scaling, relation_scaling)
     return symbols, relations
 
 

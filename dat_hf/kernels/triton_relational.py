@@ -13,9 +13,10 @@ splits]). A program owns HEADS query heads of one batch row (h rounded up to a p
 `HEADS_PER_PROGRAM` = 8; more heads take several chunks, each forming the relations again) and holds per-head tiles
 `[HEADS, BLOCK_M, ...]`; scores are batched products `[HEADS, BLOCK_M, d_h] x [HEADS, d_h, BLOCK_N]` whose key and
 value tiles are read per kv head (GQA: nothing is repeated in memory).
-- masks: causal order (receiver i at position p = kv - q + i sees senders j <= p), a sliding window as Transformers'
-  mask functions (`p - window < j <= p`, or two-sided `|p - j| <= window`) and a bool mask `[b|1, 1, q|1, kv]`
-  (padding, other graphs), all three combinable. Causal order and window come from index arithmetic: they bound the
+- masks: causal order (receiver i at position p = offset + i, offset = kv - q (`receiver_offset`), sees senders
+  j <= p), a sliding window of the `window` previous tokens (dat_hf's convention, `sliding_window_size`:
+  `p - window <= j <= p`, or two-sided `|p - j| <= window`) and a bool mask `[b|1, 1, q|1, kv]` (padding, other
+  graphs), all three combinable. Causal order and window come from index arithmetic: they bound the
   loops (the senders of a receiver tile from p_first - window to p_last (+ window), the receivers of a sender tile
   likewise) and mask the boundary tiles, so a window costs O(n * window) in one launch with no mask tensor.
 - forward, program = (BLOCK_M receivers, b, chunk): walks the senders in BLOCK_N blocks within the causal and window
@@ -61,7 +62,7 @@ import triton.language as tl
 
 from ..relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
                                     fused_values_limits)
-from ..masking_dat import transformers_window
+from ..masking_dat import receiver_offset
 from ..relational_attention_fused import relational_output
 from .autograd import relational_op_autograd
 
@@ -130,12 +131,12 @@ def _head_rows(ptr, heads, stride_h, rows, stride_row, n_rows, head_ok, other):
 
 
 @triton.jit
-def _visible(MASK, mask_row, stride_mm, stride_mn, offs_m, offs_n, q_len, kv_len, window_lo, window_hi,
+def _visible(MASK, mask_row, stride_mm, stride_mn, offs_m, offs_n, q_len, kv_len, offset, window_lo, window_hi,
              CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_MASK: tl.constexpr):
-    """`[BLOCK_M, BLOCK_N]` bool: receiver offs_m, at position p = kv - q + i, may attend to sender offs_n: j <= p
+    """`[BLOCK_M, BLOCK_N]` bool: receiver offs_m, at position p = offset + i, may attend to sender offs_n: j <= p
     (causal), p - window_lo <= j <= p + window_hi (window)."""
     visible = (offs_m < q_len)[:, None] & (offs_n < kv_len)[None, :]
-    position = offs_m[:, None] + (kv_len - q_len)
+    position = offs_m[:, None] + offset
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= position)
     if WINDOWED:
@@ -148,12 +149,12 @@ def _visible(MASK, mask_row, stride_mm, stride_mn, offs_m, offs_n, q_len, kv_len
 
 
 @triton.jit
-def _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+def _sender_range(q0, q_len, kv_len, offset, window_lo, window_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[start, end) of the senders that receivers [q0, q0 + BLOCK_M) may see (start on a BLOCK_N boundary):
-    p_first - window_lo <= j <= p_last + window_hi (window), j <= p_last (causal), p = kv - q + i."""
-    first = q0 + kv_len - q_len  # position of the first receiver
-    last = tl.minimum(q0 + BLOCK_M, q_len) - 1 + kv_len - q_len
+    p_first - window_lo <= j <= p_last + window_hi (window), j <= p_last (causal), p = offset + i."""
+    first = q0 + offset  # position of the first receiver
+    last = tl.minimum(q0 + BLOCK_M, q_len) - 1 + offset
     start = 0
     end = kv_len
     if WINDOWED:
@@ -165,11 +166,10 @@ def _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def _receiver_range(n0, q_len, kv_len, window_lo, window_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+def _receiver_range(n0, q_len, offset, window_lo, window_hi, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[start, end) of the receivers that may see senders [n0, n0 + BLOCK_N) (start on a BLOCK_M boundary): receiver
-    i sees sender j when j - window_hi <= p <= j + window_lo (window) and j <= p (causal), p = kv - q + i."""
-    offset = kv_len - q_len
+    i sees sender j when j - window_hi <= p <= j + window_lo (window) and j <= p (causal), p = offset + i."""
     start = 0
     end = q_len
     if WINDOWED:
@@ -236,8 +236,8 @@ def _receiver_tiles(Q, D_SYMBOLS, LSE, DELTA, b, heads, sq_b, sq_h, sq_m, offs_m
 @triton.jit
 def _forward_kernel(Q, K, V, QR, KR, MASK, SYMBOLS, RELATIONS, LSE,
                     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n, skr_l,
-                    sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, relation_scaling,
-                    split_size,
+                    sm_b, sm_m, sm_n, num_heads, q_len, kv_len, offset, window_lo, window_hi, qk_scale,
+                    relation_scaling, split_size,
                     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_RELATIONS: tl.constexpr,
                     RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, DR_PAD: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
@@ -262,13 +262,13 @@ def _forward_kernel(Q, K, V, QR, KR, MASK, SYMBOLS, RELATIONS, LSE,
     l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc_symbols = tl.zeros([HEADS, BLOCK_M, D_PAD], tl.float32)
     acc_relations = tl.zeros([HEADS, BLOCK_M, R_PAD], tl.float32)
-    start, end = _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    start, end = _sender_range(q0, q_len, kv_len, offset, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     start = tl.maximum(start, split * split_size)
     end = tl.minimum(end, (split + 1) * split_size)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
-                           window_hi, CAUSAL, WINDOWED, HAS_MASK)
+        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, offset,
+                           window_lo, window_hi, CAUSAL, WINDOWED, HAS_MASK)
         if tl.max(visible.to(tl.int32)) > 0:
             k, v = _sender_tiles(K, V, b, heads // GROUPS, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, offs_n, kv_len, offs_d,
                                  HEAD_DIM, head_ok)
@@ -344,8 +344,8 @@ def _store_relation_gradients(PTR, acc, slot, offs, n_rows, offs_c, NUM_RELATION
 @triton.jit
 def _backward_dkv_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DELTA, DK, DV, DKR,
                          sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n,
-                         skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, scaling,
-                         relation_scaling, HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, offset, window_lo, window_hi, qk_scale,
+                         scaling, relation_scaling, HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          NUM_RELATIONS: tl.constexpr, RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          R_PAD: tl.constexpr, DR_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                          HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -362,11 +362,11 @@ def _backward_dkv_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DEL
     dk = tl.zeros([HEADS, BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([HEADS, BLOCK_N, D_PAD], tl.float32)
     dkr = tl.zeros([R_PAD, BLOCK_N, DR_PAD], tl.float32)
-    start, end = _receiver_range(n0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    start, end = _receiver_range(n0, q_len, offset, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
-                           window_hi, CAUSAL, WINDOWED, HAS_MASK)
+        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, offset,
+                           window_lo, window_hi, CAUSAL, WINDOWED, HAS_MASK)
         if tl.max(visible.to(tl.int32)) > 0:
             q, d_symbols, lse, delta = _receiver_tiles(Q, D_SYMBOLS, LSE, DELTA, b, heads, sq_b, sq_h, sq_m, offs_m,
                                                        q_len, offs_d, num_heads, HEAD_DIM, head_ok)
@@ -387,8 +387,8 @@ def _backward_dkv_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DEL
 @triton.jit
 def _backward_dq_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DELTA, DQ, DQR,
                         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sqr_b, sqr_m, sqr_l, skr_b, skr_n,
-                        skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, window_lo, window_hi, qk_scale, scaling,
-                        relation_scaling, HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        skr_l, sm_b, sm_m, sm_n, num_heads, q_len, kv_len, offset, window_lo, window_hi, qk_scale,
+                        scaling, relation_scaling, HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         NUM_RELATIONS: tl.constexpr, RELATION_DIM: tl.constexpr, D_PAD: tl.constexpr,
                         R_PAD: tl.constexpr, DR_PAD: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
                         HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -404,11 +404,11 @@ def _backward_dq_kernel(Q, K, V, QR, KR, MASK, D_SYMBOLS, D_RELATIONS, LSE, DELT
                                                offs_d, num_heads, HEAD_DIM, head_ok)
     dq = tl.zeros([HEADS, BLOCK_M, D_PAD], tl.float32)
     dqr = tl.zeros([R_PAD, BLOCK_M, DR_PAD], tl.float32)
-    start, end = _sender_range(q0, q_len, kv_len, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
+    start, end = _sender_range(q0, q_len, kv_len, offset, window_lo, window_hi, CAUSAL, WINDOWED, BLOCK_M, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, window_lo,
-                           window_hi, CAUSAL, WINDOWED, HAS_MASK)
+        visible = _visible(MASK, b * sm_b, sm_m, sm_n, offs_m, offs_n, q_len, kv_len, offset,
+                           window_lo, window_hi, CAUSAL, WINDOWED, HAS_MASK)
         if tl.max(visible.to(tl.int32)) > 0:
             k, v = _sender_tiles(K, V, b, heads // GROUPS, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, offs_n, kv_len, offs_d,
                                  HEAD_DIM, head_ok)
@@ -455,8 +455,9 @@ def _check_inputs(query, key, values, q_rel, k_rel, mask, causal, window):
         raise ValueError(f"relational attention (triton): the mask must be bool [b|1, 1, q|1, kv] = [{b}|1, 1, "
                          f"{q_len}|1, {kv_len}] (True = attend) on {query.device}, got {mask.dtype} "
                          f"{list(mask.shape)} on {mask.device}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"relational attention (triton): the window must be None or a positive int, got {window!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"relational attention (triton): the window must be None or an int >= 0 (the previous "
+                         f"tokens a receiver sees), got {window!r}")
 
 
 def _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided):
@@ -471,14 +472,14 @@ def _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided):
     else:  # broadcast dims read with stride 0
         mask_strides = (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2) if mask.shape[2] > 1 else 0,
                         mask.stride(3))
-    # receiver at position p sees senders p - window_lo <= j <= p + window_hi: p - window < j <= p (one-sided, as
-    # Transformers' sliding_window_causal_mask_function) or |p - j| <= window (two-sided); window 0: none
-    window_lo, window_hi = (window, window) if two_sided else (window - 1, 0)
-    shared = (*strides, *mask_strides, h, q_len, kv_len, window_lo, window_hi)
+    # receiver i at position p = offset + i sees senders p - window_lo <= j <= p + window_hi: its `window` previous
+    # tokens and itself, p - window <= j <= p, or |p - j| <= window (two-sided); window None: none (bounds unused)
+    window_lo, window_hi = (0, 0) if window is None else (window, window if two_sided else 0)
+    shared = (*strides, *mask_strides, h, q_len, kv_len, receiver_offset(q_len, kv_len), window_lo, window_hi)
     constants = dict(
         HEADS=heads, GROUPS=h // key.shape[1], HEAD_DIM=d, NUM_RELATIONS=R, RELATION_DIM=d_r,
         D_PAD=max(16, triton.next_power_of_2(d)), R_PAD=triton.next_power_of_2(R),
-        DR_PAD=max(16, triton.next_power_of_2(d_r)), CAUSAL=bool(causal), WINDOWED=window > 0,
+        DR_PAD=max(16, triton.next_power_of_2(d_r)), CAUSAL=bool(causal), WINDOWED=window is not None,
         HAS_MASK=mask is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=INTERPRETED and query.dtype == torch.bfloat16,
@@ -566,7 +567,7 @@ def _combine_splits(symbols, relations, lse, dtype):
 
 @torch.library.custom_op("dat_hf::triton_relational_forward", mutates_args=())
 def _forward_op(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, q_rel: torch.Tensor,
-                k_rel: torch.Tensor, mask: torch.Tensor | None, causal: bool, window: int, two_sided: bool,
+                k_rel: torch.Tensor, mask: torch.Tensor | None, causal: bool, window: int | None, two_sided: bool,
                 scaling: float, relation_scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, q_len, d = query.shape
     chunks, shared, constants = _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided)
@@ -594,8 +595,8 @@ def _(query, key, values, q_rel, k_rel, mask, causal, window, two_sided, scaling
 @torch.library.custom_op("dat_hf::triton_relational_backward", mutates_args=())
 def _backward_op(grad_symbols: torch.Tensor, grad_relations: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                  values: torch.Tensor, q_rel: torch.Tensor, k_rel: torch.Tensor, symbols: torch.Tensor,
-                 relations: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, causal: bool, window: int,
-                 two_sided: bool, scaling: float, relation_scaling: float
+                 relations: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                 window: int | None, two_sided: bool, scaling: float, relation_scaling: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, q_len, d = query.shape
     h_kv, kv_len, R, d_r = key.shape[1], key.shape[2], q_rel.shape[2], q_rel.shape[3]
@@ -640,15 +641,14 @@ def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scal
     """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
     expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, one dtype (float32,
     float16 or bfloat16) on CUDA (CPU under `TRITON_INTERPRET=1`). Receiver i sits at position p = kv - q + i;
-    causal: it sees senders j <= p; window (None or a positive int): a sliding window as Transformers' mask functions,
-    p - window < j <= p (`sliding_window_causal_mask_function`) or, two_sided, |p - j| <= window
-    (`sliding_window_bidirectional_mask_function`), by index arithmetic; mask: None or bool `[b|1, 1, q|1, kv]` (True
-    = attend, on top of causal and window; a receiver without senders gets zeros and zero gradients) -> attended
-    symbols `[b, q, h, d_h]`, attended relations `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable w.r.t.
-    the five inputs."""
+    causal: it sees senders j <= p; window (None or an int >= 0, dat_hf's convention: `sliding_window_size`): it sees
+    its `window` previous tokens and itself, p - window <= j <= p, or, two_sided, |p - j| <= window, by index
+    arithmetic (0: itself only); mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, on top of causal and window;
+    a receiver without senders gets zeros and zero gradients) -> attended symbols `[b, q, h, d_h]`, attended relations
+    `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable w.r.t. the five inputs."""
     _check_inputs(query, key, values, q_rel, k_rel, mask, causal, window)
     symbols, relations, _ = _forward_op(*(_contiguous_last(t) for t in (query, key, values, q_rel, k_rel)), mask,
-                                        bool(causal), window or 0, bool(two_sided), float(scaling),
+                                        bool(causal), window, bool(two_sided), float(scaling),
                                         float(relation_scaling))
     return symbols, relations
 
@@ -674,7 +674,6 @@ def _check_backward(query, key, values, q_rel, k_rel, mask, causal, window, two_
     backward on the call's own tensors (detached; zero output gradients), so that a backward kernel that cannot be
     built or launched fails in the forward, where the backend can still give way, not in `loss.backward()`. On the
     call's shapes: the autotuner tunes each kernel on them, as the real call would."""
-    window = window or 0
     _, _, constants = _launch(query, key, values, q_rel, k_rel, mask, causal, window, two_sided)
     variant = (str(query.device), query.dtype, tuple(sorted(constants.items())))
     if variant in _CHECKED_BACKWARD:
@@ -704,8 +703,7 @@ def triton_relational_attention(query, key, symbol_values, relation_queries, rel
     if window is None:
         causal, window_args = attention_mask.is_causal and mask is None, {}
     else:
-        causal, window_args = attention_mask.is_causal, dict(window=transformers_window(window.previous, window.two_sided),
-                                                             two_sided=window.two_sided)
+        causal, window_args = attention_mask.is_causal, dict(window=window.previous, two_sided=window.two_sided)
     symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
     try:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(

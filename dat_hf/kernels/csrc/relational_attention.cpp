@@ -209,13 +209,15 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "d_r] do not match query ", q.sizes(), " / key ", k.sizes(), ": got ", qr.sizes(), " and ", kr.sizes());
 }
 
-Shapes make_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qr, bool causal, double scaling,
-                   double rel_scaling) {
+// offset: the first receiver's index among the keys (receiver i at offset + i; `receiver_offset` in Python)
+Shapes make_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& qr, bool causal, int64_t offset,
+                   double scaling, double rel_scaling) {
   Shapes s;
   s.B = q.size(0); s.H = q.size(1); s.n = q.size(2); s.d = q.size(3);
   s.Hkv = k.size(1); s.N = k.size(2); s.R = qr.size(2); s.dr = qr.size(3);
-  s.offset = s.N - s.n; s.causal = causal; s.scaling = (float)scaling; s.rel_scaling = (float)rel_scaling;
-  TORCH_CHECK(!causal || s.offset >= 0, "relational_attention: causal attention needs kv_len >= q_len");
+  s.offset = offset; s.causal = causal; s.scaling = (float)scaling; s.rel_scaling = (float)rel_scaling;
+  TORCH_CHECK(!causal || s.offset >= 0, "relational_attention: causal attention needs kv_len >= q_len (a receiver "
+              "offset >= 0), got offset ", s.offset);
   return s;
 }
 
@@ -312,9 +314,9 @@ inline int64_t balanced_block(int64_t idx, int64_t nb) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> relational_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& qr, const at::Tensor& kr,
                                                      const std::optional<at::Tensor>& mask, bool causal,
-                                                     double scaling, double rel_scaling) {
+                                                     int64_t offset, double scaling, double rel_scaling) {
   check_inputs(q, k, v, qr, kr);
-  Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  Shapes s = make_shapes(q, k, qr, causal, offset, scaling, rel_scaling);
   attach_mask(s, mask);
   auto Os = at::empty({s.B, s.n, s.H, s.d}, q.options());
   auto Or = at::empty({s.B, s.n, s.H, s.R}, q.options());
@@ -429,9 +431,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> relationa
                                                       const at::Tensor& qr, const at::Tensor& kr,
                                                       const at::Tensor& out_sym, const at::Tensor& out_rel,
                                                       const at::Tensor& lse, const std::optional<at::Tensor>& mask,
-                                                      bool causal, double scaling, double rel_scaling) {
+                                                      bool causal, int64_t offset, double scaling,
+                                                      double rel_scaling) {
   check_inputs(q, k, v, qr, kr);
-  Shapes s = make_shapes(q, k, qr, causal, scaling, rel_scaling);
+  Shapes s = make_shapes(q, k, qr, causal, offset, scaling, rel_scaling);
   attach_mask(s, mask);
   const at::Tensor Gs = grad_sym_in.contiguous(), Gr = grad_rel_in.contiguous();
   TORCH_CHECK(Gs.sizes() == out_sym.sizes() && Gr.sizes() == out_rel.sizes() && out_sym.is_contiguous() &&
@@ -507,7 +510,7 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(wr.dim() == 3 && wr.is_contiguous() && wr.scalar_type() == at::kFloat && wr.size(0) == q.size(1) &&
               wr.size(1) == q.size(3) && wr.size(2) == qr.size(2), "relational_attention_decode: relation_proj must "
               "be a contiguous float32 [h, d_h, R] tensor, got ", wr.sizes());
-  Shapes s = make_shapes(q, k, qr, false, scaling, rel_scaling);
+  Shapes s = make_shapes(q, k, qr, false, 0, scaling, rel_scaling);  // (no causal order: no offset needed)
   attach_mask(s, mask);
   const int64_t G = s.H / s.Hkv;
   auto out = at::empty({s.B, 1, s.H, s.d}, q.options());
@@ -572,10 +575,10 @@ at::Tensor relational_attention_decode(const at::Tensor& q, const at::Tensor& k,
 
 TORCH_LIBRARY_FRAGMENT(dat_hf, m) {
   m.def("relational_attention_forward(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor? mask, "
-        "bool causal, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
+        "bool causal, int offset, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor)");
   m.def("relational_attention_backward(Tensor grad_symbols, Tensor grad_relations, Tensor q, Tensor k, Tensor v, "
         "Tensor q_rel, Tensor k_rel, Tensor symbols, Tensor relations, Tensor lse, Tensor? mask, bool causal, "
-        "float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int offset, float scaling, float relation_scaling) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("relational_attention_decode(Tensor q, Tensor k, Tensor v, Tensor q_rel, Tensor k_rel, Tensor relation_proj, "
         "Tensor? mask, float scaling, float relation_scaling) -> Tensor");
 }
