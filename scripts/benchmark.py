@@ -664,6 +664,7 @@ def main_parts(args):
     warm-up repetition)."""
     import torch
 
+    from dat_hf.attention_plan import AttentionPlan
     from dat_hf.kernels.cpu import load_cpu_kernel, relational_attention_op
     from dat_hf.masking_dat import AttentionMask
 
@@ -676,7 +677,6 @@ def main_parts(args):
     head_dim = config.hidden_size // heads
     relations, relation_dim = config.relations, config.relation_head_dim
     kernel = load_cpu_kernel()
-    causal = AttentionMask(None, None, True)
     table = {}
     for seq in args.seq:
         b, positions = args.batch, torch.arange(seq)[None]
@@ -685,8 +685,13 @@ def main_parts(args):
         with torch.no_grad():
             symbols = dat.model.symbol_retrievers(0, x0, positions)
 
+        # the plan a training forward of the model builds (one causal graph for both head types)
+        plan = AttentionPlan.build({"causal": AttentionMask(None, None, True)}, config, x0, requires_grad=True,
+                                   training=True)
+
         def dat_layer_fn(x):
-            return dat_layer(x, dat.model.symbol_retrievers(0, x, positions), dat_rope, causal, causal)
+            return dat_layer(x, dat.model.symbol_retrievers(0, x, positions), dat_rope, plan.sensory["causal"],
+                             plan.relational["causal"])
 
         def leaves(*shapes):  # random inputs made once; each call gets fresh leaves of them (no copy)
             tensors = [torch.randn(*shape) for shape in shapes]
@@ -710,8 +715,8 @@ def main_parts(args):
             "llama layer": lambda x: llama_layer(x, attention_mask=None, position_ids=positions,
                                                  position_embeddings=llama_rope),
             "dat_hf symbol retrieval": lambda x: dat.model.symbol_retrievers(0, x, positions),
-            "dat_hf attention": lambda x: dat_layer.dual_attn(dat_layer.input_layernorm(x), symbols, dat_rope, causal,
-                                                              causal)[0],
+            "dat_hf attention": lambda x: dat_layer.dual_attn(dat_layer.input_layernorm(x), symbols, dat_rope,
+                                                              plan.sensory["causal"], plan.relational["causal"])[0],
             "llama attention": lambda x: llama_layer.self_attn(llama_layer.input_layernorm(x), attention_mask=None,
                                                                position_embeddings=llama_rope)[0],
             "dat_hf mlp": lambda x: dat_layer.mlp(dat_layer.post_attention_layernorm(x)),
