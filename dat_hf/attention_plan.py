@@ -7,8 +7,8 @@ mask in the one format that function takes, chosen once per forward (as Transfor
 `config._attn_implementation`) and handed to every layer, which makes one call:
 
     plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, requires_grad)
-    out = plan.sensory[bias](module, query, key, value)                                            # [b, q, h, d_h]
-    messages = plan.relational[bias](query, key, symbol_values, relation_queries, relation_keys, W_r, spec, dropout)
+    out = plan.sensory[bias](module, query, key, value)                                           # [b, q, h, d_h]
+    messages = plan.relational[bias](module, query, key, symbol_values, relation_queries, relation_keys)
 
 An entry also trims the empty slots of a static cache from an implicit causal mask, runs blocks of receivers against
 the senders they may see when the mask allows it (a wrapper around the function: `receiver_blocks`), and zeroes the
@@ -194,16 +194,18 @@ class PlannedRelational(PlannedAttention):
                                                                                                   "reference")
         super().__init__(source, name, backend.function, backend.mask_format, blocked)
 
-    def __call__(self, query, key, symbol_values, relation_queries, relation_keys, relation_proj, spec,
-                 dropout: float = 0.0, symbols_at=None):
-        """Inputs as `eager_relational_attention` -> messages `[b, q, h, d_h]`."""
+    def __call__(self, module, query, key, symbol_values, relation_queries, relation_keys, symbols_at=None):
+        """`module` (a `RelationalAttention`: its W_r, `spec` and dropout), inputs as `eager_relational_attention`
+        -> messages `[b, q, h, d_h]`. The backend that ran is recorded as `module.relational_attention_backend`."""
+        args = (query, key, symbol_values, relation_queries, relation_keys, module.relation_proj, module.spec,
+                module.attention_dropout if module.training else 0.0, symbols_at)
         if torch.compiler.is_compiling():  # (traced ops never launch a kernel)
-            return self._attend(query, key, symbol_values, relation_queries, relation_keys, relation_proj, spec,
-                                dropout, symbols_at)
+            return self._attend(*args)
         while True:
             try:
-                return self._attend(query, key, symbol_values, relation_queries, relation_keys, relation_proj, spec,
-                                    dropout, symbols_at)
+                messages = self._attend(*args)
+                module.relational_attention_backend = self.name
+                return messages
             except RelationalBackendUnavailable as error:
                 self._fall_back(error)
 

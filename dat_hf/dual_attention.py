@@ -213,10 +213,7 @@ class RelationalAttention(nn.Module):
                 symbols_at: RelativeSymbols | None = None, **kwargs):
         """`attention`: this forward's plan entry for the heads' bias (backend and mask); `symbols_at`: see
         `symbols_at`."""
-        messages = attention(query, key, symbol_values, relation_queries, relation_keys, self.relation_proj, self.spec,
-                             self.attention_dropout if self.training else 0.0, symbols_at)
-        if not torch.compiler.is_compiling():  # (after the call: a failed kernel gives way to the next backend)
-            self.relational_attention_backend = attention.name
+        messages = attention(self, query, key, symbol_values, relation_queries, relation_keys, symbols_at)
         return self.o_proj(messages.reshape(*messages.shape[:2], -1)), None, None
 
     def attention_weights(self, query, key, symbol_values, relation_queries, relation_keys,
@@ -224,7 +221,7 @@ class RelationalAttention(nn.Module):
         """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders) and relations `[b, R, q, kv]`;
         see `attend_with_weights`."""
         if not torch.compiler.is_compiling():
-            self.relational_attention_backend = "eager"  # (the reference's stages)
+            self.relational_attention_backend = attention.name  # ("eager": the reference's stages)
         weights, relations = relational_weights(
             query, repeat_kv(key, self.num_key_value_groups), relation_queries, relation_keys,
             attention.weights_mask(query.shape[2], key.shape[2], query.device), self.spec,

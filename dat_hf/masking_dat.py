@@ -20,7 +20,6 @@ the blocks' masks come from Transformers' index functions, O(n * window)).
 """
 
 import bisect
-from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -359,15 +358,13 @@ def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=No
     return AttentionMask(mask, row_valid, is_causal, block_mask, blocks)
 
 
-@dataclass(frozen=True)
 class MaskBuilderConfig:
     """What Transformers' mask builders (`masking_utils`) read of a config, and nothing else: the implementation
-    whose mask format is wanted, the causal flag and the window of sliding-window masks (Transformers' convention:
-    the senders up to and including the receiver)."""
+    whose mask format is wanted, the causal flag and the window of sliding-window masks (Transformers' convention,
+    `transformers_window`)."""
 
-    _attn_implementation: str
-    sliding_window: int | None = None
-    is_causal: bool = True
+    def __init__(self, attn_implementation: str, sliding_window: int | None = None):
+        self._attn_implementation, self.sliding_window, self.is_causal = attn_implementation, sliding_window, True
 
 
 def _block_mask_of(allowed: torch.Tensor):

@@ -369,7 +369,6 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     def __init__(self, config: DATSeq2SeqConfig):
         super().__init__(config)
         stack = encoder_stack_config(config)
-        self.stack_config = stack
         self.embed_tokens = nn.Embedding(config.source_vocab_size, config.hidden_size, config.pad_token_id)
         init_positions(self, stack)
         self.dropout = nn.Dropout(config.embedding_dropout)
@@ -406,7 +405,7 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
             [`DATEncoderOutput`] (a tuple with `return_dict=False`): `last_hidden_state` `(batch_size, source_length,
             hidden_size)`, and on request the hidden states, the attention weights of every head and the relations.
         """
-        stack = self.stack_config
+        stack = encoder_stack_config(self.config)  # (live: e.g. `resize_token_embeddings` changes the vocabulary)
         # CODEPATH: error wording only. A separate source vocabulary: no released checkpoint (the paper's math models
         # share one character vocabulary).
         vocab_field = "encoder_vocab_size" if self.config.encoder_vocab_size else "vocab_size"
