@@ -22,7 +22,6 @@ from relational_cases import (RELATION_SCALING, SCALING, Heads, additive_from_bo
                               causal_and, make_inputs, random_bool_mask, right_padding)
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers import DynamicCache, StaticCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import dat_hf
 import dat_hf.relational_attention as relational_attention

@@ -19,7 +19,6 @@ Biases and the symmetry each keeps (see docs/relational_biases.md):
 The encoder-decoder (bipartite) source-permutation property is tested with the seq2seq model.
 """
 
-import itertools
 from unittest import mock
 
 import pytest
