@@ -85,7 +85,7 @@ def mask_in_format(mask: AttentionMask, mask_format: str, q_len: int | None = No
         return mask.dense(q_len, kv_len, device)
     if mask_format == "block_mask":
         return mask.block_mask if mask.block_mask is not None else mask.mask
-    if mask_format == "window" and mask._mask is None and mask.window is not None:
+    if mask_format == "window" and mask.window is not None:
         padding = mask.window.padding
         return KernelMask(None if padding is None else padding[:, None, None, :], mask.is_causal, mask.window)
     if mask_format in ("tensor", "window"):
@@ -100,6 +100,7 @@ class PlannedAttention:
 
     def __init__(self, source: AttentionMask, name: str, function, mask_format: str, blocked: bool):
         self.name, self.function, self.mask_format = name, function, mask_format
+        # (no receiver blocks for a BlockMask, which skips masked blocks itself, nor for a whole sliding window)
         self.blocked = blocked and (mask_format in ("dense", "tensor", "reference") or (
             mask_format == "window" and source.window is None))
         self._place(source)
@@ -189,9 +190,8 @@ class PlannedRelational(PlannedAttention):
         self.call, self.requested, self.attn_implementation = call, requested, attn_implementation
         name = select_relational_attention(call, requested, attn_implementation)
         backend = RELATIONAL_ATTENTION_FUNCTIONS[name]
-        # receiver blocks: not for weights, per-pair symbol rows, nor backends that skip masked blocks themselves
-        blocked = not (call.output_attentions or call.relative_symbols) and backend.mask_format in ("tensor",
-                                                                                                  "reference")
+        # receiver blocks: not for weights or per-pair symbol rows (the mask format decides the rest)
+        blocked = not (call.output_attentions or call.relative_symbols)
         super().__init__(source, name, backend.function, backend.mask_format, blocked)
 
     def __call__(self, module, query, key, symbol_values, relation_queries, relation_keys, symbols_at=None):

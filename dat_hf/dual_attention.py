@@ -268,11 +268,14 @@ class PackedCache:
 
     def views(self, key_cache, values: list):
         """Keys `[b, sum h_kv, N, d_h]` and flat values `[b, N, width]` (not packed: no cache) -> (keys per head type
-        `[b, h_kv, N, d_h]`, values: sensory values and symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R,
-        d_r]`, those the layer has, in that order)."""
-        return key_cache.split(self.key_heads, dim=1), [
-            part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
-            else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
+        `[b, h_kv, N, d_h]`, values: see `value_views`)."""
+        return key_cache.split(self.key_heads, dim=1), self.value_views(values)
+
+    def value_views(self, values: list) -> list:
+        """Flat values `[b, N, width]` -> sensory values and symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N,
+        R, d_r]` (those the layer has, in that order)."""
+        return [part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
+                else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
 
 
 class DualAttention(nn.Module):

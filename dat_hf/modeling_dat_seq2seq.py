@@ -72,8 +72,8 @@ from .transformers_compat import cache_kwargs, output_cache, slice_logits_to_kee
 def stack_config(config: DATSeq2SeqConfig, **fields) -> DATSeq2SeqConfig:
     """A copy of `config` (shallow: nothing is shared that is written) with one stack's own `fields` (depth, attention
     graph, positions, or the cross-attention's head counts): the layers of that stack are built from it (its
-    properties, e.g. `head_dim`, follow the fields). Nothing reads it after `__init__`: the attention implementations
-    of a forward come from the model's config (`AttentionPlan`)."""
+    properties, e.g. `head_dim`, follow the fields). The attention implementations of a forward come from the model's
+    config (`AttentionPlan`), never from a copy."""
     stack = copy.copy(config)
     for name, value in fields.items():
         setattr(stack, name, value)
@@ -262,7 +262,7 @@ class DATCrossAttention(nn.Module):
                 keys, values = self.packed.unpack(*cross_cache.update(*self.packed.pack(keys, values), self.layer_idx))
                 cache.is_updated[self.layer_idx] = True
             else:
-                keys, values = self.packed.views(torch.cat(keys, dim=1) if len(keys) > 1 else keys[0], values)
+                values = self.packed.value_views(values)  # (keys are already one per head type)
         sensory_inputs = relational_inputs = None
         if self.sensory is not None:
             sensory_inputs = (q_s, keys[-1], values[0], cross_plan.sensory["bipartite"])
