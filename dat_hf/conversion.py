@@ -18,6 +18,7 @@ How the reference maps:
 import importlib
 import importlib.util
 import os
+import tempfile
 import warnings
 
 import torch
@@ -365,12 +366,16 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
 
     from .checkpoint_bounds import check_against_checkpoint, check_layer_count, read_safetensors_header
 
-    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+    from .conversion_config import check_authors_config
+
+    config_file = os.path.join(folder, "config.json")
+    with open(config_file, encoding="utf-8") as f:
         kwargs = json.load(f)
     name = authors_lm_class_name(kwargs)
     if name is None:
-        raise ValueError(f"{folder}/config.json is not the authors' language-model format (constructor kwargs of "
+        raise ValueError(f"{config_file} is not the authors' language-model format (constructor kwargs of "
                          f"DualAttnTransformerLM or TransformerLM, with {sorted(AUTHORS_LM_KEYS)}).")
+    check_authors_config(kwargs, name, config_file)  # every field, before anything (even on meta) is built
     weights_path = weights_path or authors_weights_file(folder)
     reference_cls = _reference_lm_class(name)
     # the untrusted config is bounded by the checkpoint's header (no tensor read): the layer count before even a meta
@@ -401,9 +406,10 @@ def convert_checkpoint_folder(input_dir, output_dir, dtype=None):
     return model
 
 
-# `from_pretrained` keyword arguments the conversion honours; any other is refused with the way around it
+# `from_pretrained` arguments that find the authors' files (then not passed on: the converted folder is local), and
+# those that name files the authors' format does not have
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
-_IGNORED_KWARGS = ("trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "code_revision")
+_FILE_KWARGS = {"variant": "its one weights file is model.safetensors", "gguf_file": "its weights are safetensors"}
 
 
 def _authors_files(name_or_path, hub_kwargs):
@@ -447,9 +453,11 @@ def _authors_files(name_or_path, hub_kwargs):
 
 
 def register_authors_format():
-    """Make `AutoModelForCausalLM.from_pretrained` load the authors' Hub format (converted in memory, with an
-    `AuthorsCheckpointWarning`); everything else goes to Transformers unchanged. Called by `import dat_hf`.
-    Transformers has no hook for config files without `model_type`, so the Auto class's method is wrapped."""
+    """Make `AutoModelForCausalLM.from_pretrained` load the authors' Hub format (checked and converted in memory,
+    with an `AuthorsCheckpointWarning`), then load the result as a dat_hf folder with the caller's arguments
+    (`device_map`, `dtype`, `attn_implementation`, config fields, ...: each works, or is refused, as for a dat_hf
+    folder); everything else goes to Transformers unchanged. Called by `import dat_hf`. Transformers has no hook for
+    config files without `model_type`, so the Auto class's method is wrapped."""
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained.__func__
@@ -462,29 +470,33 @@ def register_authors_format():
             found = _authors_files(pretrained_model_name_or_path, {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
         if found is None:
             return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        for name, why in _FILE_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{pretrained_model_name_or_path} is in the authors' dual-attention format, which has "
+                                 f"no `{name}` ({name}={kwargs[name]!r}): {why}.")
         folder, _, weights = found
-        dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
-        attn_implementation = kwargs.pop("attn_implementation", None)
-        device_map = kwargs.pop("device_map", None)
-        unsupported = sorted(k for k in kwargs if k not in _HUB_KWARGS + _IGNORED_KWARGS)
-        if unsupported or not isinstance(device_map, (type(None), str, torch.device)):
-            raise ValueError(
-                f"{pretrained_model_name_or_path} is in the authors' dual-attention format, converted on load, which "
-                f"takes only dtype, attn_implementation, a single-device device_map and the Hub arguments; got "
-                f"{unsupported or ['device_map=' + repr(device_map)]}. Convert once (`from_pretrained(path)."
-                f"save_pretrained(out)`) and load `out` with these arguments."
-            )
-        overrides = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-        model = load_authors_checkpoint(folder, weights_path=weights, dtype=dtype, **overrides)
-        model.config._name_or_path = str(pretrained_model_name_or_path)
+        model = load_authors_checkpoint(folder, weights_path=weights)  # checked, converted in memory, stored dtype
+        # every other argument (device_map, dtype, attn_implementation, config fields, ...) is Transformers' own:
+        # the converted model goes through a temporary dat_hf folder and Transformers' loading of it
+        with tempfile.TemporaryDirectory(prefix="dat_hf-converted-", ignore_cleanup_errors=True) as converted:
+            model.save_pretrained(converted)
+            del model
+            try:
+                result = original(cls, converted, **{k: v for k, v in kwargs.items() if k not in _HUB_KWARGS})
+            except Exception as error:
+                error.add_note(f"(loading {pretrained_model_name_or_path}, in the authors' dual-attention format, "
+                               "converted into a temporary dat_hf folder)")
+                raise
+        loaded = result[0] if isinstance(result, tuple) else result  # (model, loading info) with output_loading_info
+        loaded.config.name_or_path = loaded.name_or_path = str(pretrained_model_name_or_path)
         warnings.warn(
             f"{pretrained_model_name_or_path}: converted on load from the authors' dual-attention format "
-            f"({type(model).__name__}, identical outputs); `model.save_pretrained(folder)` writes dat_hf's format, "
+            f"({type(loaded).__name__}, identical outputs); `model.save_pretrained(folder)` writes dat_hf's format, "
             "which loads without converting.",
             AuthorsCheckpointWarning,
             stacklevel=2,
         )
-        return model.to(device_map) if device_map is not None else model
+        return result
 
     from_pretrained._dat_hf_authors_format = True
     from_pretrained.__doc__ = original.__doc__
