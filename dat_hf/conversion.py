@@ -17,6 +17,7 @@ How the reference maps:
 
 import importlib
 import importlib.util
+import inspect
 import os
 import tempfile
 import warnings
@@ -282,7 +283,10 @@ def from_reference_model(module, **config_overrides):
 # `dual_attention.hf.DualAttnTransformerLM_HFHub` / `TransformerLM_HFHub` (huggingface_hub's PyTorchModelHubMixin)
 # write `config.json` = the constructor kwargs (no `model_type`) and `model.safetensors` (tied names dropped, each
 # recorded in the metadata as `{dropped: kept}`). Only the language models have a Hub mixin in 0.0.7.
-AUTHORS_LM_KEYS = frozenset({"vocab_size", "d_model", "n_layers", "dff", "max_block_size"})
+# the keys that tell the authors' config.json apart (any one of the DAT's, with `d_model`; all of the Transformer's);
+# the others may be missing or wrong: `conversion_config` then names them
+AUTHORS_LM_KEYS = {"DualAttnTransformerLM": ("n_heads_sa", "n_heads_ra", "symbol_retrieval_kwargs"),
+                   "TransformerLM": ("n_heads", "max_block_size")}
 AUTHORS_WEIGHTS_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -294,12 +298,14 @@ class AuthorsCheckpointWarning(UserWarning):
 
 def authors_lm_class_name(config_dict) -> str | None:
     """`"DualAttnTransformerLM"` or `"TransformerLM"` when `config_dict` holds the constructor kwargs of one of the
-    authors' language models (their Hub `config.json`), else None."""
-    if not isinstance(config_dict, dict) or "model_type" in config_dict or not AUTHORS_LM_KEYS <= config_dict.keys():
+    authors' language models (their Hub `config.json`: no `model_type`, `d_model` and the keys of AUTHORS_LM_KEYS),
+    else None."""
+    if not isinstance(config_dict, dict) or "model_type" in config_dict or "d_model" not in config_dict:
         return None
-    if {"n_heads_sa", "n_heads_ra"} <= config_dict.keys():
+    dat, transformer = AUTHORS_LM_KEYS.values()
+    if any(key in config_dict for key in dat):
         return "DualAttnTransformerLM"
-    return "TransformerLM" if "n_heads" in config_dict else None
+    return "TransformerLM" if all(key in config_dict for key in transformer) else None
 
 
 def _reference_lm_class(name: str):
@@ -374,7 +380,7 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
     name = authors_lm_class_name(kwargs)
     if name is None:
         raise ValueError(f"{config_file} is not the authors' language-model format (constructor kwargs of "
-                         f"DualAttnTransformerLM or TransformerLM, with {sorted(AUTHORS_LM_KEYS)}).")
+                         "DualAttnTransformerLM or TransformerLM, with `d_model` and their heads).")
     check_authors_config(kwargs, name, config_file)  # every field, before anything (even on meta) is built
     weights_path = weights_path or authors_weights_file(folder)
     reference_cls = _reference_lm_class(name)
@@ -458,7 +464,7 @@ def register_authors_format():
     (`device_map`, `dtype`, `attn_implementation`, config fields, ...: each works, or is refused, as for a dat_hf
     folder); everything else goes to Transformers unchanged. Called by `import dat_hf`. Transformers has no hook for
     config files without `model_type`, so the Auto class's method is wrapped."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     original = AutoModelForCausalLM.from_pretrained.__func__
     if getattr(original, "_dat_hf_authors_format", False):
@@ -472,17 +478,20 @@ def register_authors_format():
             return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         for name, why in _FILE_KWARGS.items():
             if kwargs.get(name) is not None:
-                raise ValueError(f"{pretrained_model_name_or_path} is in the authors' dual-attention format, which has "
-                                 f"no `{name}` ({name}={kwargs[name]!r}): {why}.")
+                raise ValueError(f"{pretrained_model_name_or_path} is in the authors' dual-attention format, which "
+                                 f"has no `{name}` ({name}={kwargs[name]!r}): {why}.")
         folder, _, weights = found
         model = load_authors_checkpoint(folder, weights_path=weights)  # checked, converted in memory, stored dtype
         # every other argument (device_map, dtype, attn_implementation, config fields, ...) is Transformers' own:
         # the converted model goes through a temporary dat_hf folder and Transformers' loading of it
+        kwargs = {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS}
+        if "disable_mmap" in inspect.signature(PreTrainedModel.from_pretrained).parameters:
+            kwargs.setdefault("disable_mmap", True)  # read, not mapped: the weights outlive their deleted file
         with tempfile.TemporaryDirectory(prefix="dat_hf-converted-", ignore_cleanup_errors=True) as converted:
             model.save_pretrained(converted)
             del model
             try:
-                result = original(cls, converted, **{k: v for k, v in kwargs.items() if k not in _HUB_KWARGS})
+                result = original(cls, converted, **kwargs)
             except Exception as error:
                 error.add_note(f"(loading {pretrained_model_name_or_path}, in the authors' dual-attention format, "
                                "converted into a temporary dat_hf folder)")

@@ -131,9 +131,10 @@ def converter_folder(tmp_path):
 
 @pytest.mark.parametrize("change,match", [
     ({"n_layers": 10**6}, r"`n_layers` is 1000000 in the config, but the checkpoint .* holds 2 layers"),
-    ({"d_model": 2**20}, r"`d_model`=1048576 in the config, 64 in the checkpoint"),
+    ({"d_model": 2**20, "symbol_retrieval_kwargs": dict(d_model=2**20, n_heads=4, n_symbols=12)},
+     r"`d_model`=1048576 in the config, 64 in the checkpoint"),
     ({"max_block_size": 10**9}, r"asks for [\d,]+ parameters that the checkpoint .* does not hold"),
-    ({"n_layers": "2"}, r"`n_layers` must be a non-negative integer, got '2'"),
+    ({"n_layers": "2"}, r"`n_layers` must be a positive integer, got .2."),
 ])
 def test_converter_bounds_the_authors_config_by_the_checkpoint(tmp_path, change, match):
     from dat_hf.conversion import convert_checkpoint_folder
