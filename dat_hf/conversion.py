@@ -319,6 +319,26 @@ def _reference_lm_class(name: str):
     return getattr(module, name)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # the authors' config.json is a few hundred bytes
+
+
+def read_authors_config(config_file):
+    """The JSON of the authors' `config.json`; a ValueError naming the file when it is not a regular file, is larger
+    than `MAX_CONFIG_BYTES` or is not JSON (nested too deeply included)."""
+    import json
+
+    if not os.path.isfile(config_file):  # a FIFO or a device would block or never end
+        raise ValueError(f"{config_file} is not a regular file.")
+    size = os.path.getsize(config_file)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{config_file} has {size:,} bytes; the authors' config.json is a few hundred.")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"{config_file} is not readable JSON ({type(error).__name__}: {error}).") from None
+
+
 def authors_weights_file(folder) -> str:
     """`<folder>/model.safetensors`; a folder with only pickled weights is refused without opening them."""
     path = os.path.join(folder, AUTHORS_WEIGHTS_NAME)
@@ -366,8 +386,6 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
     """The dat_hf `DATForCausalLM` of a folder in the authors' Hub format, converted in memory with
     `from_reference_model` (identical outputs). Safetensors only; names and shapes are checked against the file's
     header before any weight is allocated. `dtype`: None/"auto" keeps the stored dtype."""
-    import json
-
     from safetensors.torch import load_model
 
     from .checkpoint_bounds import check_against_checkpoint, check_layer_count, read_safetensors_header
@@ -375,8 +393,7 @@ def load_authors_checkpoint(folder, weights_path: str | None = None, dtype=None,
     from .conversion_config import check_authors_config
 
     config_file = os.path.join(folder, "config.json")
-    with open(config_file, encoding="utf-8") as f:
-        kwargs = json.load(f)
+    kwargs = read_authors_config(config_file)
     name = authors_lm_class_name(kwargs)
     if name is None:
         raise ValueError(f"{config_file} is not the authors' language-model format (constructor kwargs of "
@@ -421,8 +438,6 @@ _FILE_KWARGS = {"variant": "its one weights file is model.safetensors", "gguf_fi
 def _authors_files(name_or_path, hub_kwargs):
     """(folder, config_dict, weights_path or None) when `name_or_path` (folder or Hub id) holds the authors' format,
     else None. A Hub id that cannot be resolved is left to Transformers (its own error)."""
-    import json
-
     subfolder = hub_kwargs.get("subfolder") or ""
     if os.path.isdir(name_or_path):
         folder = os.path.join(name_or_path, subfolder)
@@ -440,8 +455,7 @@ def _authors_files(name_or_path, hub_kwargs):
             return None
         folder = os.path.dirname(config_file)
     try:
-        with open(config_file, encoding="utf-8") as f:
-            config_dict = json.load(f)
+        config_dict = read_authors_config(config_file)
     except (OSError, ValueError):
         return None
     if authors_lm_class_name(config_dict) is None:

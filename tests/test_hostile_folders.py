@@ -11,6 +11,7 @@
 import dataclasses
 import json
 import math
+import os
 import struct
 import time
 
@@ -146,6 +147,26 @@ def test_converter_bounds_the_authors_config_by_the_checkpoint(tmp_path, change,
         convert_checkpoint_folder(folder, tmp_path / "out")
     assert time.monotonic() - start < BOUND_S
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content,match", [
+    ("[" * 100_000 + "]" * 100_000, r"config.json is not readable JSON \(RecursionError"),
+    ('{"d_model": 64, "n_heads_sa": 2, "pad": "' + "x" * (1 << 21) + '"}', r"config.json has 2,097,\d{3} bytes"),
+    ("fifo", r"config.json is not a regular file"),
+])
+def test_converter_refuses_unreadable_authors_configs(tmp_path, content, match):
+    from dat_hf.conversion import convert_checkpoint_folder
+
+    folder = converter_folder(tmp_path)
+    (folder / "config.json").unlink()
+    if content == "fifo":
+        os.mkfifo(folder / "config.json")  # reading it would block forever
+    else:
+        (folder / "config.json").write_text(content)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        convert_checkpoint_folder(folder, tmp_path / "out")
+    assert time.monotonic() - start < BOUND_S
 
 
 CONFIG_CLASSES = {DATConfig: tiny_config, DATEncoderConfig: None, DATSeq2SeqConfig: seq2seq_config,
