@@ -438,6 +438,8 @@ _FILE_KWARGS = {"variant": "its one weights file is model.safetensors", "gguf_fi
 def _authors_files(name_or_path, hub_kwargs):
     """(folder, config_dict, weights_path or None) when `name_or_path` (folder or Hub id) holds the authors' format,
     else None. A Hub id that cannot be resolved is left to Transformers (its own error)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):  # e.g. None with a `state_dict`
+        return None
     subfolder = hub_kwargs.get("subfolder") or ""
     if os.path.isdir(name_or_path):
         folder = os.path.join(name_or_path, subfolder)
@@ -485,9 +487,7 @@ def register_authors_format():
         return
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        found = None
-        if not model_args and kwargs.get("config") is None:
-            found = _authors_files(pretrained_model_name_or_path, {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+        found = _authors_files(pretrained_model_name_or_path, {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
         if found is None:
             return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         for name, why in _FILE_KWARGS.items():
@@ -505,7 +505,7 @@ def register_authors_format():
             model.save_pretrained(converted)
             del model
             try:
-                result = original(cls, converted, **kwargs)
+                result = original(cls, converted, *model_args, **kwargs)
             except Exception as error:
                 error.add_note(f"(loading {pretrained_model_name_or_path}, in the authors' dual-attention format, "
                                "converted into a temporary dat_hf folder)")

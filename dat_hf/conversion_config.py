@@ -19,10 +19,6 @@ from .configuration_dat import _check_choice, _check_positive, _check_probabilit
 
 
 # ---- field rules: rule(name, value) raises ValueError("`name` must be ..., got ...") -------------------------------
-def _positive(name, value):
-    _check_positive(name, value)
-
-
 def _optional_positive(name, value):
     _check_positive(name, value, allow_none=True)
 
@@ -75,18 +71,18 @@ RA_KWARGS = {**SA_KWARGS, "n_relations": (_optional_positive,), "rel_proj_dim": 
              "rel_activation": (_choice(*RELATION_ACTIVATIONS),), "symmetric_rels": (_boolean,),
              "use_relative_positional_symbols": (_boolean,)}
 SYMBOL_KWARGS = {  # symbol_retrieval -> the fields of its retriever's constructor
-    "symbolic_attention": {"d_model": (_positive, REQUIRED), "n_heads": (_positive, REQUIRED),
-                           "n_symbols": (_positive, REQUIRED), "dropout": (_check_probability,),
+    "symbolic_attention": {"d_model": (_check_positive, REQUIRED), "n_heads": (_check_positive, REQUIRED),
+                           "n_symbols": (_check_positive, REQUIRED), "dropout": (_check_probability,),
                            "scale": (_optional_scale,), "trainable_symbols": (_boolean,)},
-    "positional_symbols": {"symbol_dim": (_positive, REQUIRED), "max_length": (_positive, REQUIRED),
+    "positional_symbols": {"symbol_dim": (_check_positive, REQUIRED), "max_length": (_check_positive, REQUIRED),
                            "sinusoidal": (_boolean,)},
-    "position_relative": {"symbol_dim": (_positive, REQUIRED), "max_rel_pos": (_positive, REQUIRED)},
+    "position_relative": {"symbol_dim": (_check_positive, REQUIRED), "max_rel_pos": (_check_positive, REQUIRED)},
 }
 COMMON = {
-    "vocab_size": (_positive, REQUIRED), "d_model": (_positive, REQUIRED), "n_layers": (_positive, REQUIRED),
+    "vocab_size": (_check_positive, REQUIRED), "d_model": (_check_positive, REQUIRED), "n_layers": (_check_positive, REQUIRED),
     "dff": (_optional_positive, REQUIRED), "dropout_rate": (_check_probability, REQUIRED),
     "activation": (_choice(*ACTIVATIONS), REQUIRED), "norm_first": (_boolean, REQUIRED),
-    "max_block_size": (_positive, REQUIRED), "norm_type": (_choice("layernorm", "rmsnorm"),),
+    "max_block_size": (_check_positive, REQUIRED), "norm_type": (_choice("layernorm", "rmsnorm"),),
     "pos_enc_type": (_choice("pos_emb", "RoPE"),), "bias": (_boolean,),
 }
 FIELDS = {
@@ -101,7 +97,7 @@ FIELDS = {
         "ra_type": (_choice("relational_attention"),), "share_attn_params": (_boolean,),
     },
     "TransformerLM": {
-        **COMMON, "n_heads": (_positive, REQUIRED), "use_flash_attention": (_boolean,),
+        **COMMON, "n_heads": (_check_positive, REQUIRED), "use_flash_attention": (_boolean,),
         "block_kwargs": (_nested({"attn_kwargs": (_nested({k: SA_KWARGS[k] for k in ("n_kv_heads", "key_dim",
                                                                                      "add_bias_kv")}),)}),),
     },

@@ -333,6 +333,20 @@ def test_loading_arguments_work_as_on_a_dat_hf_folder(tmp_path, arguments):
         assert "dat_hf-converted" not in open("/proc/self/maps").read()
 
 
+def test_a_given_config_is_used_as_for_a_dat_hf_folder(tmp_path):
+    """`config=` replaces the converted config.json, checked against the weights as for a dat_hf folder."""
+    reference = _authors_folder(tmp_path / "authors")
+    model, _ = _load(tmp_path / "authors")
+    config = model.config
+    config.output_hidden_states = True
+    given, converted = _load(tmp_path / "authors", config=config)
+    assert len(converted) == 1 and given.config.output_hidden_states
+    assert _max_logit_diff(reference, given) < 1e-5
+    config.hidden_size = 32
+    with pytest.raises(ValueError, match=r"`hidden_size`=32 in the config, 64 in the checkpoint"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "authors", config=config)
+
+
 def _converted_folder(tmp_path, reference):
     """The same model, converted and saved as a dat_hf folder."""
     folder = tmp_path / "ours"
