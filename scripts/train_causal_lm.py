@@ -203,8 +203,6 @@ def main(args=None, callbacks=None):
     checkpoint = training_args.resume_from_checkpoint
     if checkpoint == "last":  # Trainer's `True` raises when there is no checkpoint yet; "last" then starts from scratch
         checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-    if checkpoint:
-        logger.info("resuming from %s", checkpoint)
 
     with training_args.main_process_first(desc="loading the dataset"):
         raw_datasets = load_text_dataset(
