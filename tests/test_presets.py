@@ -106,21 +106,6 @@ def test_train_help_lists_every_preset(capsys, monkeypatch):
     assert len(list_presets()) == len(list((REPO_ROOT / "dat_hf" / "training" / "presets").glob("*.json"))) == 8
 
 
-def test_unknown_preset_is_one_message_and_status_2(capsys, tmp_path):
-    """As argparse reports a bad argument: before any data is read, no traceback, one line naming every preset."""
-    train = import_script("train_causal_lm")
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["--config_name", "dat-huge", "--output_dir", str(tmp_path / "run")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert ": error: --config_name: No model preset 'dat-huge'" in err, err  # `<program>: error: ...`
-    assert err.count("\n") == 1 and all(name in err for name in list_presets())
-    assert not (tmp_path / "run").exists()  # nothing was started
-    # a saved model (--model_name_or_path) makes --config_name irrelevant: not checked then
-    model_args = train.parse_args(["--config_name", "dat-huge", "--model_name_or_path", "x", "--output_dir", "o"])[0]
-    assert model_args.config_name == "dat-huge"
-
-
 def test_tiny_preset_runs():
     config = load_preset_config("dat-tiny", vocab_size=100)
     model = DATForCausalLM(config).eval()
