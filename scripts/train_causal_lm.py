@@ -48,7 +48,13 @@ from transformers.trainer_utils import get_last_checkpoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dat_hf  # noqa: E402,F401  (registers the Auto classes)
-from dat_hf.training import AtomicCheckpointTrainer, load_preset_config, parse_config_overrides  # noqa: E402
+from dat_hf.training import (  # noqa: E402
+    AtomicCheckpointTrainer,
+    list_presets,
+    load_preset_config,
+    parse_config_overrides,
+    preset_path,
+)
 from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 
 logger = logging.getLogger("train_causal_lm")
@@ -58,8 +64,8 @@ logger = logging.getLogger("train_causal_lm")
 class ModelArguments:
     config_name: str = field(
         default="dat-tiny",
-        metadata={"help": "Model preset (dat-tiny, dat-343m, dat-1.27b, transformer-353m, transformer-1.31b; "
-                          "in dat_hf/training/presets/) or a path to a JSON config. Ignored with --model_name_or_path."},
+        metadata={"help": f"Model preset ({', '.join(list_presets())}; in dat_hf/training/presets/) or a path to a "
+                          "JSON config. Ignored with --model_name_or_path."},
     )
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A saved DAT model folder (or Hub id) to continue training from."}
@@ -108,11 +114,21 @@ class CardArguments:
 
 
 def parse_args(args=None):
+    """The four argument dataclasses; an unknown `--config_name` ends the process as argparse does (status 2, one
+    message naming the presets), before any data is read."""
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, CardArguments))
     argv = sys.argv[1:] if args is None else list(args)
     if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    model_args = parsed[0]
+    if not model_args.model_name_or_path:
+        try:
+            preset_path(model_args.config_name)
+        except FileNotFoundError as error:
+            parser.exit(2, f"{parser.prog}: error: --config_name: {error}\n")  # argparse's error, without the usage
+    return parsed
 
 
 def setup_logging(training_args: TrainingArguments):
@@ -203,8 +219,6 @@ def main(args=None, callbacks=None):
     checkpoint = training_args.resume_from_checkpoint
     if checkpoint == "last":  # Trainer's `True` raises when there is no checkpoint yet; "last" then starts from scratch
         checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-    if checkpoint:
-        logger.info("resuming from %s", checkpoint)
 
     with training_args.main_process_first(desc="loading the dataset"):
         raw_datasets = load_text_dataset(

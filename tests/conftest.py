@@ -57,7 +57,7 @@ def set_torch_config(request, config_module, name: str, value):
 def pytest_addoption(parser):
     parser.addoption("--fuzz-seed", type=int, default=None,
                      help="replay one case of the differential fuzzer (the seed a failure printed); default: a fresh "
-                          "seed per run, printed in the header")
+                          "seed per run, printed in the header and at the end")
     parser.addoption("--fuzz-cases", type=int, default=2000,
                      help="random cases of the slow fuzz test (`-m slow`)")
 
@@ -69,10 +69,21 @@ def pytest_configure(config):
     config.fuzz_seed = seed if seed is not None else random.SystemRandom().randrange(10**6, 2**31)
 
 
-def pytest_report_header(config):
+def fuzz_seed_line(config) -> str:
     return f"fuzz seed: {config.fuzz_seed} (replay: pytest tests/test_fuzz_attention.py --fuzz-seed {config.fuzz_seed})"
+
+
+def pytest_report_header(config):  # shown unless -q
+    return fuzz_seed_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The seed again at the end, where -q (scripts/test.sh) still shows it, when a test drew from it."""
+    if getattr(config, "fuzz_seed_used", False):
+        terminalreporter.write_line(fuzz_seed_line(config))
 
 
 @pytest.fixture
 def fuzz_seed(request):
+    request.config.fuzz_seed_used = True
     return request.config.fuzz_seed

@@ -2,7 +2,8 @@
 reference, bf16 within stated tolerances, and cached generation against recomputation.
 
 - `test_fuzz_fixed_seeds`: a fixed seed set (`FIXED_SEEDS`), the same every run;
-- `test_fuzz_fresh_seed`: one fresh seed per run, printed in the session header (`fuzz seed: N`) and in any failure;
+- `test_fuzz_fresh_seed`: one fresh seed per run, printed in the session header and at the end, where `-q` shows
+  it (`fuzz seed: N`), and in any failure;
   `pytest tests/test_fuzz_attention.py --fuzz-seed N` replays it;
 - `test_fuzz_many` (`-m slow`): `--fuzz-cases` random cases (default 2,000), every failing seed listed;
 - regression cases: what the fuzzer found, pinned as explicit cases (a change to the generator keeps them), and the
@@ -51,9 +52,9 @@ def test_fuzz_fresh_seed(fuzz_seed):
 
 
 @pytest.mark.slow
-def test_fuzz_many(request):
+def test_fuzz_many(request, fuzz_seed):
     cases = request.config.getoption("--fuzz-cases")
-    first = request.config.fuzz_seed
+    first = fuzz_seed
     start = time.perf_counter()
     failures, summaries = _run(range(first, first + cases))
     print(f"fuzz: {cases} cases from seed {first} in {time.perf_counter() - start:.0f} s, {len(failures)} failed")

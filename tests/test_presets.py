@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_helpers import import_script
 
 from dat_hf import DATForCausalLM
 from dat_hf.training import list_presets, load_preset_config, preset_metadata
@@ -93,6 +94,16 @@ def test_reference_parameter_counts_recorded_in_presets():
     }
     for name, n in counts.items():
         assert preset_metadata(name)["reference_parameters"] == n, name
+
+
+def test_train_help_lists_every_preset(capsys, monkeypatch):
+    train = import_script("train_causal_lm")
+    monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps the help at the terminal width (and at hyphens)
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    assert f"Model preset ({', '.join(list_presets())}; in dat_hf/training/presets/)" in capsys.readouterr().out
+    assert len(list_presets()) == len(list((REPO_ROOT / "dat_hf" / "training" / "presets").glob("*.json"))) == 8
 
 
 def test_tiny_preset_runs():

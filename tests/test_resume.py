@@ -1,15 +1,22 @@
 """Fault tolerance: a run killed mid-training (SIGKILL, in a subprocess) and relaunched with
 `--resume_from_checkpoint last` ends with the same weights and losses as an uninterrupted run with the same seed;
-checkpoints are safetensors and appear atomically (a run killed while saving leaves no partial `checkpoint-N`)."""
+checkpoints are safetensors and appear atomically (a run killed while saving leaves no partial `checkpoint-N`). A
+resumed run names its checkpoint and step in one line, without Trainer's false missing-key warning for tied weights."""
 
+import contextlib
+import logging
 import sys
 
 import pytest
 from lm_helpers import REPO_ROOT, import_script, losses_by_step, run_group, subprocess_env, train_args
+from conftest import tiny_config
 from safetensors.torch import load_file
+from torch.nn.modules.module import _IncompatibleKeys
+from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from dat_hf.training import parameters_digest
+from dat_hf import DATForCausalLM
+from dat_hf.training import AtomicCheckpointTrainer, parameters_digest
 
 KILLED = REPO_ROOT / "tests" / "workers" / "killed_train.py"
 STEPS, SAVE_EVERY = 12, 4
@@ -35,6 +42,19 @@ def kill_run(out, step, while_saving=False):
     assert not (out / "model.safetensors").exists()
 
 
+@contextlib.contextmanager
+def transformers_warnings():
+    """The messages Transformers' loggers emit meanwhile (its library logger does not propagate to the root)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+
+
 def resume(out):
     train = import_script("train_causal_lm")
     results = train.main(run_args(out, "--resume_from_checkpoint", "last"))
@@ -53,14 +73,18 @@ def test_checkpoints_are_safetensors(uninterrupted):
     assert not (out / ".staging").exists()
 
 
-def test_killed_mid_training_resumes_to_the_same_weights(uninterrupted, tmp_path):
+def test_killed_mid_training_resumes_to_the_same_weights(uninterrupted, tmp_path, capsys):
     _, digest, losses = uninterrupted
     out = tmp_path / "run"
     kill_run(out, step=6)  # after checkpoint-4, before checkpoint-8
     assert get_last_checkpoint(out).endswith("checkpoint-4")
-    resumed_digest, resumed_losses = resume(out)
+    capsys.readouterr()
+    with transformers_warnings() as warnings:
+        resumed_digest, resumed_losses = resume(out)
     assert resumed_losses == losses  # steps 1-4 restored from the checkpoint, 5-12 recomputed
     assert resumed_digest == digest
+    assert f"Resuming from {out / 'checkpoint-4'} (step 4)\n" in capsys.readouterr().out
+    assert not [w for w in warnings if "missing keys" in w], warnings  # lm_head.weight is tied: loaded exactly
 
 
 def test_killed_while_saving_leaves_no_partial_checkpoint(uninterrupted, tmp_path):
@@ -82,3 +106,14 @@ def test_resume_last_without_checkpoint_starts_from_scratch(tmp_path):
     results = train.main(run_args(tmp_path / "fresh", "--resume_from_checkpoint", "last"))
     assert results["trainer"].state.global_step == results["trainer"].args.max_steps
     assert min(h["step"] for h in results["log_history"] if "loss" in h) == 1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_only_tied_missing_keys_are_left_out_of_the_load_warning(tied, tmp_path):
+    """A missing key that is the same parameter as a loaded one is no warning; any other missing key still is."""
+    model = DATForCausalLM(tiny_config(tie_word_embeddings=tied))
+    trainer = AtomicCheckpointTrainer(model=model, args=TrainingArguments(tmp_path, use_cpu=True, report_to="none"))
+    with transformers_warnings() as warnings:
+        trainer._issue_warnings_after_load(_IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
+    named = ["model.norm.weight"] if tied else ["lm_head.weight", "model.norm.weight"]
+    assert warnings == [f"There were missing keys in the checkpoint model loaded: {named}."]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from lm_helpers import corpus_file, import_script, losses_by_step, train_args
 
+from dat_hf.training import list_presets
 from dat_hf.training.text_data import (
     clean_markdown,
     group_texts,
@@ -134,7 +135,16 @@ def test_train_script_end_to_end(tmp_path):
     assert more["log_history"][0]["loss"] < losses[1]
 
 
-def test_train_script_rejects_unknown_preset(tmp_path):
+def test_train_script_rejects_unknown_preset(tmp_path, capsys):
+    """As argparse reports a bad argument: before any data is read, no traceback, one line naming every preset."""
     train = import_script("train_causal_lm")
-    with pytest.raises(FileNotFoundError, match="dat-tiny"):
-        train.main(train_args(tmp_path / "x", "--config_name", "no-such-preset", max_steps=1))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(train_args(tmp_path / "run", "--config_name", "no-such-preset", max_steps=1))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert ": error: --config_name: No model preset 'no-such-preset'" in err, err  # `<program>: error: ...`
+    assert err.count("\n") == 1 and all(name in err for name in list_presets())
+    assert not (tmp_path / "run").exists()  # nothing was started
+    # with a saved model (--model_name_or_path) --config_name is unused, so not checked
+    args = train.parse_args(train_args(tmp_path / "o", "--config_name", "no-such-preset", "--model_name_or_path", "x"))
+    assert args[0].config_name == "no-such-preset"

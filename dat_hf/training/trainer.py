@@ -4,7 +4,8 @@
 - `AtomicCheckpointTrainer`: a `Trainer` whose checkpoints appear atomically: each `checkpoint-N` is written in
   full under `<output_dir>/.staging/` and then renamed into place, so a run killed while saving never leaves a
   partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up. Under FSDP with sharded
-  checkpoints, the final `save_model` still gathers a full `model.safetensors` (`FSDPModelSaveMixin`).
+  checkpoints, the final `save_model` still gathers a full `model.safetensors` (`FSDPModelSaveMixin`). A resumed run
+  says which checkpoint it resumed from, without Trainer's false missing-key warning for tied weights (`ResumeMixin`).
 - Offline `evaluate` metric modules shipped in this package: `load_metric("accuracy" | "exact_match")`.
 
 What the libraries already do is left to them: parameter counts are `model.num_parameters()`, the newest checkpoint
@@ -22,7 +23,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..atomic_save import fsync_dir
 
@@ -175,9 +178,40 @@ class FSDPModelSaveMixin:
         super()._save(output_dir, state_dict)
 
 
-class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, Trainer):
+class ResumeMixin:
+    """Kept because of two things `Trainer.train(resume_from_checkpoint=...)` does (Transformers 5.24):
+    - it names the checkpoint it resumes from only at info level (hidden by default): one line is printed, on the
+      main process, with the checkpoint's path and step;
+    - it warns "There were missing keys in the checkpoint model loaded: ['lm_head.weight']" for every model with tied
+      embeddings (Llama's too), although the resumed weights are exact: `save_pretrained` leaves the tied copy out of
+      the checkpoint, and `Trainer._issue_warnings_after_load` compares the missing keys with the model's
+      `_keys_to_ignore_on_save`, not with its tied weights. A missing key that is the same parameter as a loaded one
+      (`all_tied_weights_keys`, {target: source}) is left out of that warning; any other missing key is still named."""
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        if resume_from_checkpoint is True:  # as Trainer resolves it (it raises its own error when there is none)
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and self.is_world_process_zero():
+            state_file = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
+            if os.path.isfile(state_file):  # else Trainer raises, naming the file
+                step = TrainerState.load_from_json(state_file).global_step
+                print(f"Resuming from {os.path.abspath(resume_from_checkpoint)} (step {step})", flush=True)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        tied = getattr(self.model, "all_tied_weights_keys", None) or {}
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = set(load_result.missing_keys)
+        restored = {key for key in missing if tied.get(key) in parameters and tied[key] not in missing
+                    and parameters.get(key) is parameters[tied[key]]}
+        if restored:
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in restored])
+        super()._issue_warnings_after_load(load_result)
+
+
+class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, ResumeMixin, Trainer):
     """`transformers.Trainer` with atomic checkpoints (see `AtomicCheckpointMixin`) that saves a full, loadable model
-    under FSDP too (see `FSDPModelSaveMixin`)."""
+    under FSDP too (see `FSDPModelSaveMixin`) and says what it resumes from (see `ResumeMixin`)."""
 
 
 def list_metrics() -> list[str]:
@@ -209,6 +243,7 @@ __all__ = [
     "AtomicCheckpointMixin",
     "AtomicCheckpointTrainer",
     "FSDPModelSaveMixin",
+    "ResumeMixin",
     "list_metrics",
     "load_metric",
 ]
