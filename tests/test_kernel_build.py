@@ -306,33 +306,33 @@ def damage(library: Path, kind: str, foreign: Path):
 
 # what each damage's warning says failed
 FAILED_CHECK = {"truncated": "its size is", "zero-filled": "its sha256 differs", "foreign": "its (size is|sha256)",
-                "truncated-unrecorded": "no record of it, and loading it in a child process (killed the child with "
-                                        "SIGBUS|failed)",
-                "foreign-unrecorded": "no record of it, and loading it in a child process failed: it has no "
-                                      "operator dat_hf::"}
+                "truncated-unrecorded": r"build\.json has no record of it, and loading it in a child process "
+                                        "(killed the child with SIGBUS|failed)",
+                "foreign-unrecorded": r"build\.json has no record of it, and loading it in a child process failed: "
+                                      "it has no operator dat_hf::"}
 
 
 @needs_cxx
 @pytest.mark.parametrize("kind", ["truncated", "zero-filled", "foreign", "truncated-unrecorded"])
 def test_a_damaged_library_is_moved_aside_and_rebuilt(probe, foreign_library, kind):
-    first = start_probe(probe)
-    out, err = first.communicate(timeout=120)
-    assert "RESULT 42 built=True" in out, (out, err)
-    library = cpu_build.built_library(probe["cache"], "probe")
+    build = dict(name="probe", sources=[probe["source"]], flags=["-O0", "-fPIC"], root=probe["cache"],
+                 check=cpu_build.LIBRARY_CHECK)
+    lines = []
+    library, built = cpu_build.ensure_built(**build, announce=lines.append)  # here: nothing is loaded in this process
+    assert built and len(lines) == 1
     damage(library, kind, foreign_library)
 
-    second = start_probe(probe)  # a child: a SIGBUS would show here, not kill pytest
-    out, err = second.communicate(timeout=120)
-    assert second.returncode == 0 and "RESULT 42 built=True" in out, (out, err)
+    rebuild = start_probe(probe)  # a child, which loads the library: a SIGBUS would show here, not kill pytest
+    out, err = rebuild.communicate(timeout=120)
+    assert rebuild.returncode == 0 and "RESULT 42 built=True" in out, (out, err)
     lines = [line for line in err.splitlines() if "dat_hf" in line]
     assert len(lines) == 1, err
     assert re.search(rf"^dat_hf: {re.escape(str(library))} fails its check \({FAILED_CHECK[kind]}", lines[0]), lines
     aside = list(Path(probe["cache"]).glob(".probe.corrupt-*"))
     assert len(aside) == 1 and f"moved it aside to {aside[0]}; rebuilding" in lines[0]
 
-    third = start_probe(probe)  # the rebuilt library is verified by its record: no line, no build
-    out, err = third.communicate(timeout=120)
-    assert "RESULT 42 built=False" in out and "dat_hf" not in err, (out, err)
+    lines = []  # the rebuilt library passes the check of its record: no build, no line
+    assert cpu_build.ensure_built(**build, announce=lines.append) == (library, False) and lines == []
 
 
 @pytest.fixture(scope="module")
@@ -386,10 +386,10 @@ def run_kernels_cli(command, cache, **env):
     return result, fields
 
 
-@pytest.mark.parametrize("kind", ["truncated", "zero-filled", "foreign", "foreign-unrecorded"])
+@pytest.mark.parametrize("kind", ["truncated", "foreign-unrecorded"])
 def test_a_damaged_kernel_library_gives_a_working_forward(copied_build, foreign_library, kind):
-    """Without a compiler to rebuild it (the rebuild is the test above's), the PyTorch backends run after one
-    warning naming the library; it is never loaded (a truncated one would kill the process with SIGBUS)."""
+    """Without a compiler to rebuild it (a rebuild: the probe's test above, the slow test below), the PyTorch backends
+    run after one warning naming the library; it is never loaded (a truncated one would kill the process)."""
     damage(copied_build, kind, foreign_library)
     backend, matches, err = run_forward(copied_build.parents[1], CXX="/nonexistent/c++")
     assert backend != "cpu" and matches
@@ -399,33 +399,47 @@ def test_a_damaged_kernel_library_gives_a_working_forward(copied_build, foreign_
     assert "no C++ compiler found" in lines[0] and "Using the PyTorch backends" in lines[0]
 
 
-def test_status_and_build_tell_the_state_of_the_cache(copied_build):
+VERIFIED = "verified: size and sha256 match build.json; loaded and called in a child process"
+UNRECORDED = "verified: loaded and called in a child process; build.json has no record of it"
+NEXT = "; the next use or `python -m dat_hf.kernels build` moves it aside and rebuilds it"
+
+
+@pytest.mark.parametrize("kind", ["built", "unrecorded", "truncated", "zero-filled", "foreign", "truncated-unrecorded",
+                                  "foreign-unrecorded", "absent"])
+def test_status_tells_the_state_of_the_cache(copied_build, foreign_library, kind, monkeypatch):
+    monkeypatch.setenv("DAT_HF_KERNEL_CACHE", str(copied_build.parents[1]))
+    if kind == "unrecorded":  # a build by an older dat_hf, intact
+        info = json.loads((copied_build.parent / "build.json").read_text())
+        (copied_build.parent / "build.json").write_text(json.dumps({**info, "library": None}))
+    elif kind == "absent":
+        shutil.rmtree(copied_build.parent)
+    elif kind != "built":
+        damage(copied_build, kind, foreign_library)
+    before = {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
+    fields = cpu_build.status()  # here: status never loads the library in its own process
+    if kind in ("built", "unrecorded"):
+        assert fields["built"] == str(copied_build)
+        assert fields["check"] == {"built": VERIFIED, "unrecorded": UNRECORDED}[kind]
+    else:
+        assert fields["built"] is None
+        expected = "not built" if kind == "absent" else rf"corrupt: ({FAILED_CHECK[kind]}).*{re.escape(NEXT)}"
+        assert re.fullmatch(expected, fields["check"]), fields["check"]
+    assert before == {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
+
+
+def test_status_and_build_commands_on_a_truncated_library(copied_build):
     cache = copied_build.parents[1]
+    size = copied_build.stat().st_size
+    os.truncate(copied_build, size // 2)
     result, fields = run_kernels_cli("status", cache)
-    assert fields["built"] == str(copied_build), result
-    assert fields["check"] == "verified: size and sha256 match build.json; loaded and called in a child process"
-
-    info = json.loads((copied_build.parent / "build.json").read_text())
-    del info["library"]  # a build by an older dat_hf
-    (copied_build.parent / "build.json").write_text(json.dumps(info))
-    result, fields = run_kernels_cli("status", cache)
-    assert fields["built"] == str(copied_build), result
-    assert fields["check"] == "verified: loaded and called in a child process; build.json has no record of it"
-    assert "library" not in json.loads((copied_build.parent / "build.json").read_text())  # status writes nothing
-
-    os.truncate(copied_build, copied_build.stat().st_size // 2)
-    result, fields = run_kernels_cli("status", cache)
-    assert fields["built"] == "None", result
-    assert re.fullmatch(r"corrupt: build\.json has no record of it, and loading it in a child process (killed the "
-                        r"child with SIGBUS|failed: .*); the next use or `python -m dat_hf.kernels build` moves it "
-                        r"aside and rebuilds it", fields["check"]), fields["check"]
+    assert result.returncode == 0 and fields["built"] == "None"
+    assert fields["check"] == f"corrupt: its size is {size // 2} bytes where build.json records {size}{NEXT}"
 
     result, _ = run_kernels_cli("build", cache, CXX="/nonexistent/c++")
     assert result.returncode == 1
     assert result.stderr.strip() == (f"dat_hf: the CPU kernels could not be built: {copied_build} fails its check "
-                                     f"({fields['check'][len('corrupt: '):].split('; the next use')[0]}), and no C++ "
-                                     "compiler found (`/nonexistent/c++` is not on PATH; install g++ or clang, or set "
-                                     "CXX)")
+                                     f"({fields['check'][len('corrupt: '):-len(NEXT)]}), and no C++ compiler found "
+                                     "(`/nonexistent/c++` is not on PATH; install g++ or clang, or set CXX)")
 
 
 @pytest.mark.slow
