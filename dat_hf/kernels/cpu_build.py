@@ -29,6 +29,7 @@ through a parent-death signal).
 Whatever fails (no compiler, a read-only cache, a compile error, a timeout, a library that fails its checks,
 `DAT_HF_CPU_KERNEL=0`) dat_hf runs its PyTorch backends, which compute the same results, after one warning saying why.
 """
+
 import contextlib
 import hashlib
 import json
@@ -204,8 +205,12 @@ def _run_parallel(commands, cwd, deadline, log_path, jobs, group=None):
                     command = pending.pop(0)
                     log.write(("$ " + " ".join(command) + "\n").encode())
                     log.flush()
-                    running.append((command, subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                                              stdin=subprocess.DEVNULL, **in_group)))
+                    try:
+                        process = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL, **in_group)
+                    except OSError as error:  # not executable, or its process group is gone
+                        raise KernelBuildError(f"`{command[0]}` could not be started ({error})") from error
+                    running.append((command, process))
                 for command, process in list(running):
                     code = process.poll()
                     if code is None:
@@ -296,9 +301,9 @@ def child_check(library, check=KERNEL_CHECK, timeout=None) -> str | None:
                                                                      os.environ.get("PYTHONPATH")]))}
     try:
         result = subprocess.run([sys.executable, "-c", code, str(library)], capture_output=True, text=True, env=env,
-                                stdin=subprocess.DEVNULL, timeout=timeout or build_timeout())
+                                stdin=subprocess.DEVNULL, timeout=timeout or DEFAULT_TIMEOUT)
     except subprocess.TimeoutExpired:
-        return f"loading it in a child process took over {timeout or build_timeout():g} s"
+        return f"loading it in a child process took over {timeout or DEFAULT_TIMEOUT:g} s"
     except OSError as error:
         return f"no child process could load it ({error})"
     if result.returncode < 0:
@@ -354,12 +359,12 @@ def verify(library, check=KERNEL_CHECK, deep=False, record=True) -> tuple[bool, 
         if failure:
             return False, failure if recorded else f"build.json has no record of it, and {failure}"
         how.append("loaded and called in a child process")
-        if not recorded and record:
-            with contextlib.suppress(OSError):  # a read-only cache: checked again by the next process
-                _write_build_json(library.parent, {**(info if isinstance(info, dict) else {}), "library": found})
-                how.append("recorded in build.json")
-        elif not recorded:
+        if not recorded:
             how.append("build.json has no record of it")
+            with contextlib.suppress(OSError):  # a read-only cache: checked again by the next process
+                if record:
+                    _write_build_json(library.parent, {**(info if isinstance(info, dict) else {}), "library": found})
+                    how[-1] = "recorded in build.json"
     return True, "; ".join(how)
 
 
