@@ -15,7 +15,6 @@ the machine's built kernels (built once); the slow test kills a real build, and 
 """
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
