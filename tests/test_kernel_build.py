@@ -1,19 +1,24 @@
 """The compiled kernels' build (`dat_hf/kernels/cpu_build.py`, `python -m dat_hf.kernels`) as a dependency that
-never hangs and always says what it does:
+never hangs, never kills the interpreter and always says what it does:
 
 - a build killed with SIGKILL in the middle leaves nothing a later process waits on: the next process builds
-  within a bound (and removes the dead build's folder); a live builder that holds the lock too long ends the wait
-  after `DAT_HF_KERNEL_BUILD_TIMEOUT` with an error naming it;
+  within a bound (and removes the dead build's folder), and no compiler of the dead build keeps running; a live
+  builder that holds the lock too long ends the wait after `DAT_HF_KERNEL_BUILD_TIMEOUT` with an error naming it;
 - no compiler on PATH, a read-only cache: `build_extension` returns False after exactly one warning saying why;
+- a cached library that is truncated, zero-filled or another library is never loaded: it is moved aside and rebuilt
+  (or, without a compiler, the PyTorch backends run) after one warning naming it; `status` and `build` say so;
 - the first build logs one line (what, where, how to build ahead, how to skip it); the cache key holds the CPU's
   instruction set;
 - `python -m dat_hf.kernels build`, then a fresh process loads the kernels with no build line and no wait; `status`.
-The generic build machinery is exercised on a one-function C++ file (fast); the slow test kills a real build.
+The generic build machinery is exercised on a one-function C++ file (fast); the damaged kernel library on a copy of
+the machine's built kernels (built once); the slow test kills a real build, and one rebuilds a damaged library.
 """
 
-import importlib.util
+import contextlib
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +44,7 @@ PROBE_CHILD = textwrap.dedent("""
     start = time.monotonic()
     try:
         library, built = cpu_build.ensure_built(name="probe", sources=[sys.argv[3]], flags=["-O0", "-fPIC"],
-                                                root=sys.argv[2])
+                                                root=sys.argv[2], check=cpu_build.LIBRARY_CHECK)
     except cpu_build.KernelBuildError as error:
         print(f"FAILED after {time.monotonic() - start:.1f} s: {error}", flush=True)
         sys.exit(3)
@@ -269,3 +274,228 @@ def test_killed_real_build_then_build_ahead_then_no_wait(tmp_path):
                             "print('READY', load_cpu_kernel())"], env=env, cwd=ROOT, capture_output=True, text=True,
                            timeout=300)
     assert "READY True" in fresh.stdout and "dat_hf: building" not in fresh.stderr, fresh.stderr
+
+
+# ---- damaged cache entries ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def foreign_library(tmp_path_factory):
+    """A valid shared library that is not the one a build produced."""
+    folder = tmp_path_factory.mktemp("foreign")
+    (folder / "other.cpp").write_text('extern "C" int other_library(int x) { return 2 * x + 1; }\n')
+    subprocess.run(["c++", "-shared", "-fPIC", "-O1", str(folder / "other.cpp"), "-o", str(folder / "other.so")],
+                   check=True, timeout=120)
+    return folder / "other.so"
+
+
+def damage(library: Path, kind: str, foreign: Path):
+    """Cut `library` to half its size (a full disk, a killed copy), zero it, or replace it with another library; and
+    for `*-unrecorded`, drop its record from build.json (a build by an older dat_hf)."""
+    size = library.stat().st_size
+    if kind.startswith("truncated"):
+        os.truncate(library, size // 2)
+    elif kind.startswith("zero-filled"):
+        library.write_bytes(bytes(size))
+    else:
+        shutil.copyfile(foreign, library)
+    if kind.endswith("-unrecorded"):
+        info = json.loads((library.parent / "build.json").read_text())
+        del info["library"]
+        (library.parent / "build.json").write_text(json.dumps(info))
+
+
+# what each damage's warning says failed
+FAILED_CHECK = {"truncated": "its size is", "zero-filled": "its sha256 differs", "foreign": "its (size is|sha256)",
+                "truncated-unrecorded": r"build\.json has no record of it, and loading it in a child process "
+                                        "(killed the child with SIGBUS|failed)",
+                "foreign-unrecorded": r"build\.json has no record of it, and loading it in a child process failed: "
+                                      "it has no operator dat_hf::"}
+
+
+@needs_cxx
+@pytest.mark.parametrize("kind", ["truncated", "zero-filled", "foreign", "truncated-unrecorded"])
+def test_a_damaged_library_is_moved_aside_and_rebuilt(probe, foreign_library, kind):
+    build = dict(name="probe", sources=[probe["source"]], flags=["-O0", "-fPIC"], root=probe["cache"],
+                 check=cpu_build.LIBRARY_CHECK)
+    lines = []
+    library, built = cpu_build.ensure_built(**build, announce=lines.append)  # here: nothing is loaded in this process
+    assert built and len(lines) == 1
+    damage(library, kind, foreign_library)
+
+    rebuild = start_probe(probe)  # a child, which loads the library: a SIGBUS would show here, not kill pytest
+    out, err = rebuild.communicate(timeout=120)
+    assert rebuild.returncode == 0 and "RESULT 42 built=True" in out, (out, err)
+    lines = [line for line in err.splitlines() if "dat_hf" in line]
+    assert len(lines) == 1, err
+    assert re.search(rf"^dat_hf: {re.escape(str(library))} fails its check \({FAILED_CHECK[kind]}", lines[0]), lines
+    aside = list(Path(probe["cache"]).glob(".probe.corrupt-*"))
+    assert len(aside) == 1 and f"moved it aside to {aside[0]}; rebuilding" in lines[0]
+
+    lines = []  # the rebuilt library passes the check of its record: no build, no line
+    assert cpu_build.ensure_built(**build, announce=lines.append) == (library, False) and lines == []
+
+
+@pytest.fixture(scope="module")
+def real_build():
+    """The machine's built kernels (the default cache, as `python -m dat_hf.kernels build` makes it; built once)."""
+    if not HAS_CXX:
+        pytest.skip("no C++ compiler on this machine")
+    library, _ = cpu_build.ensure_built()
+    return library.parent
+
+
+@pytest.fixture
+def copied_build(real_build, tmp_path):
+    """A cache holding a copy of the built kernels; its library."""
+    shutil.copytree(real_build, tmp_path / "cache" / real_build.name)
+    return tmp_path / "cache" / real_build.name / f"{real_build.name}.so"
+
+
+# A first forward in a child process: the CPU float32 forward with whatever backend is chosen, against eager.
+FORWARD_CHILD = textwrap.dedent("""
+    import torch
+    from dat_hf import DATConfig, DATForCausalLM
+    torch.manual_seed(0)
+    model = DATForCausalLM(DATConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_sensory_heads=2,
+                                     num_relational_heads=2, intermediate_size=64, num_symbols=8,
+                                     symbolic_attention_heads=2, max_position_embeddings=64)).eval()
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        logits = model(ids).logits
+        backend = model.model.layers[0].dual_attn.relational.relational_attention_backend
+        model.config.relational_attn_implementation = "eager"
+        reference = model(ids).logits
+    print("FORWARD", backend, bool(torch.isfinite(logits).all()), (logits - reference).abs().max().item())
+""")
+
+
+def run_forward(cache, **env):
+    result = subprocess.run([sys.executable, "-c", FORWARD_CHILD], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "DAT_HF_KERNEL_CACHE": str(cache), "DAT_HF_CPU_KERNEL": "1", **env},
+                            timeout=600)
+    forward = [line.split() for line in result.stdout.splitlines() if line.startswith("FORWARD")]
+    assert result.returncode == 0 and forward, result
+    return forward[0][1], forward[0][2] == "True" and float(forward[0][3]) < 1e-4, result.stderr
+
+
+def run_kernels_cli(command, cache, **env):
+    result = subprocess.run([sys.executable, "-m", "dat_hf.kernels", command], capture_output=True, text=True,
+                            cwd=ROOT, env={**os.environ, "DAT_HF_KERNEL_CACHE": str(cache), **env}, timeout=600)
+    assert "Traceback" not in result.stderr and result.returncode in (0, 1), result
+    fields = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.strip())
+    return result, fields
+
+
+@pytest.mark.parametrize("kind", ["truncated", "foreign-unrecorded"])
+def test_a_damaged_kernel_library_gives_a_working_forward(copied_build, foreign_library, kind):
+    """Without a compiler to rebuild it (a rebuild: the probe's test above, the slow test below), the PyTorch backends
+    run after one warning naming the library; it is never loaded (a truncated one would kill the process)."""
+    damage(copied_build, kind, foreign_library)
+    backend, matches, err = run_forward(copied_build.parents[1], CXX="/nonexistent/c++")
+    assert backend != "cpu" and matches
+    lines = [line for line in err.splitlines() if "dat_hf" in line]
+    assert len(lines) == 1, err
+    assert re.search(rf"{re.escape(str(copied_build))} fails its check \({FAILED_CHECK[kind]}", lines[0]), lines
+    assert "no C++ compiler found" in lines[0] and "Using the PyTorch backends" in lines[0]
+
+
+VERIFIED = "verified: size and sha256 match build.json; loaded and called in a child process"
+UNRECORDED = "verified: loaded and called in a child process; build.json has no record of it"
+NEXT = "; the next use or `python -m dat_hf.kernels build` moves it aside and rebuilds it"
+
+
+@pytest.mark.parametrize("kind", ["built", "unrecorded", "truncated", "zero-filled", "foreign", "truncated-unrecorded",
+                                  "foreign-unrecorded", "absent"])
+def test_status_tells_the_state_of_the_cache(copied_build, foreign_library, kind, monkeypatch):
+    monkeypatch.setenv("DAT_HF_KERNEL_CACHE", str(copied_build.parents[1]))
+    if kind == "unrecorded":  # a build by an older dat_hf, intact
+        info = json.loads((copied_build.parent / "build.json").read_text())
+        (copied_build.parent / "build.json").write_text(json.dumps({**info, "library": None}))
+    elif kind == "absent":
+        shutil.rmtree(copied_build.parent)
+    elif kind != "built":
+        damage(copied_build, kind, foreign_library)
+    before = {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
+    fields = cpu_build.status()  # here: status never loads the library in its own process
+    if kind in ("built", "unrecorded"):
+        assert fields["built"] == str(copied_build)
+        assert fields["check"] == {"built": VERIFIED, "unrecorded": UNRECORDED}[kind]
+    else:
+        assert fields["built"] is None
+        expected = "not built" if kind == "absent" else rf"corrupt: ({FAILED_CHECK[kind]}).*{re.escape(NEXT)}"
+        assert re.fullmatch(expected, fields["check"]), fields["check"]
+    assert before == {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
+
+
+def test_status_and_build_commands_on_a_truncated_library(copied_build):
+    cache = copied_build.parents[1]
+    size = copied_build.stat().st_size
+    os.truncate(copied_build, size // 2)
+    result, fields = run_kernels_cli("status", cache)
+    assert result.returncode == 0 and fields["built"] == "None"
+    assert fields["check"] == f"corrupt: its size is {size // 2} bytes where build.json records {size}{NEXT}"
+
+    result, _ = run_kernels_cli("build", cache, CXX="/nonexistent/c++")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"dat_hf: the CPU kernels could not be built: {copied_build} fails its check "
+                                     f"({fields['check'][len('corrupt: '):-len(NEXT)]}), and no C++ compiler found "
+                                     "(`/nonexistent/c++` is not on PATH; install g++ or clang, or set CXX)")
+
+
+@pytest.mark.slow
+def test_a_truncated_kernel_library_is_rebuilt_by_build_and_by_a_forward(copied_build, foreign_library):
+    """The real rebuilds (minutes on 2 loaded cores): `python -m dat_hf.kernels build` on a truncated library, and a
+    first forward on a foreign one, each rebuild, and the forward then runs the compiled kernel."""
+    cache = copied_build.parents[1]
+    damage(copied_build, "truncated", foreign_library)
+    result, _ = run_kernels_cli("build", cache)
+    assert result.returncode == 0 and "built in" in result.stdout and "already" not in result.stdout, result
+    assert re.search(rf"^dat_hf: {re.escape(str(copied_build))} fails its check \(its size is .*moved it aside to "
+                     rf".*rebuilding", result.stderr), result.stderr
+    result, fields = run_kernels_cli("status", cache)
+    assert fields["built"] == str(copied_build) and fields["check"].startswith("verified: size and sha256 match")
+
+    damage(copied_build, "foreign", foreign_library)
+    backend, matches, err = run_forward(cache)
+    assert backend == "cpu" and matches
+    lines = [line for line in err.splitlines() if "dat_hf" in line]
+    assert len(lines) == 1 and f"{copied_build} fails its check" in lines[0] and "rebuilding" in lines[0], err
+
+
+# ---- a killed builder's compilers ------------------------------------------------------------------------------------
+def processes_working_in(folder) -> dict:
+    """pid -> name of the live processes whose working folder is inside `folder` (a build's compilers run in its
+    private folder; zombies have none)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and os.readlink(entry / "cwd").startswith(str(folder) + os.sep):
+                found[int(entry.name)] = (entry / "comm").read_text().strip()
+    return found
+
+
+@needs_cxx
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_builder_leaves_no_compiler_running(tmp_path):
+    """SIGKILL to a process building the real kernels while `cc1plus` runs: within 5 s no process of its build
+    (the compiler drivers, their `cc1plus`/`as`, the watchdog) is left."""
+    child = textwrap.dedent("""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("cpu_build", sys.argv[1])
+        cpu_build = importlib.util.module_from_spec(spec); spec.loader.exec_module(cpu_build)
+        cpu_build.ensure_built(root=sys.argv[2])
+    """)
+    cache = tmp_path / "cache"
+    builder = subprocess.Popen([sys.executable, "-c", child, cpu_build.__file__, str(cache)], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not {"cc1plus", "cc1", "as"} & set(processes_working_in(cache).values()):
+        assert builder.poll() is None and time.monotonic() < deadline, "the build never started its compilers"
+        time.sleep(0.05)
+    running = processes_working_in(cache)
+    os.kill(builder.pid, signal.SIGKILL)
+    builder.wait()
+    builder.stderr.close()
+    start = time.monotonic()
+    while processes_working_in(cache) and time.monotonic() - start < 5:
+        time.sleep(0.05)
+    assert not processes_working_in(cache), f"left running: {processes_working_in(cache)} (were {running})"
+    print(f"compilers of the killed build gone after {time.monotonic() - start:.2f} s (were {running})")

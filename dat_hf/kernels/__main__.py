@@ -1,6 +1,7 @@
 """`python -m dat_hf.kernels build | status`: build the compiled CPU kernels ahead of their first use (e.g. in a
 Docker image or on a cluster's login node: the cache key includes the CPU's instruction set, so build on the kind of
-machine that runs the models), or show where they are cached and whether they are built."""
+machine that runs the models), or show where they are cached and whether they are built and verified. `build`
+verifies a cached build (its record in build.json and a load in a child process) and rebuilds one that fails."""
 
 import argparse
 import sys
@@ -19,17 +20,15 @@ def main(argv=None) -> int:
             print(f"{key:15} {value}")
         return 0
     start = time.monotonic()
-    try:
-        library, built = cpu_build.ensure_built(announce=lambda message: print(message, file=sys.stderr, flush=True))
+    try:  # `deep`: the cached library is also loaded and called in a child process (never here: see cpu_build)
+        library, built = cpu_build.ensure_built(announce=lambda message: print(message, file=sys.stderr, flush=True),
+                                                deep=True)
     except cpu_build.KernelBuildError as error:
         print(f"dat_hf: the CPU kernels could not be built: {error}", file=sys.stderr)
         return 1
-    import torch
-
-    torch.ops.load_library(str(library))  # the build loads: a later process will too
-    print(f"{'built' if built else 'already built'} in {time.monotonic() - start:.1f} s: {library}")
+    print(f"{'built' if built else 'already built'} in {time.monotonic() - start:.1f} s: {library} (verified: loaded "
+          "and called in a child process; its size and sha256 are in build.json)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
