@@ -65,8 +65,11 @@ def generate(exported_program: torch.export.ExportedProgram, input_ids: torch.Lo
                          f"got {got}.")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"`max_new_tokens` must be a non-negative integer; got {max_new_tokens!r}.")
-    keys = next(buffer for name, buffer in exported_program.named_buffers()
-                if name.rsplit(".", 1)[-1].startswith("key_cache"))  # [b, heads, max_cache_len, d_h]
+    keys = next((buffer for name, buffer in exported_program.named_buffers()
+                 if name.rsplit(".", 1)[-1].startswith("key_cache")), None)  # [b, heads, max_cache_len, d_h]
+    if keys is None:
+        raise ValueError("`exported_program` has no `key_cache` buffer: export it with "
+                         "`DATExportableModuleForDecoderOnlyLM(model, batch_size, max_cache_len).export(...)`.")
     (batch_size, length), (cache_batch, max_cache_len) = input_ids.shape, (keys.shape[0], keys.shape[2])
     if batch_size != cache_batch:
         raise ValueError(f"`input_ids` has {batch_size} rows; the program was exported with batch_size={cache_batch}.")

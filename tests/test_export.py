@@ -192,8 +192,8 @@ def test_transformers_generate_helpers_feed_wrong_cache_positions(exported):
     assert [position for _, position in upstream.fed] == [*range(n), *range(n + 1, n + new)]  # slot n skipped
     assert tokens[:n + 1] == expected[:n + 1] and tokens != expected
 
-    upstream = RecordingProgram(program)
-    TorchExportableModuleForDecoderOnlyLM.generate(upstream, OneTokenPerCharacter(), "eicg", max_new_tokens=3)
+    upstream, tokenizer = RecordingProgram(program), OneTokenPerCharacter()
+    TorchExportableModuleForDecoderOnlyLM.generate(upstream, tokenizer, tokenizer.decode(PROMPT[0], True), 3)
     assert upstream.fed[n - 1:n + 1] == [(PROMPT[0, -1].item(), n - 1), (PROMPT[0, -1].item(), n)]  # fed twice
 
 
@@ -207,6 +207,9 @@ def test_generate_names_bad_arguments(exported):
         dat_hf.export.generate(program, PROMPT, max_new_tokens=16)
     with pytest.raises(ValueError, match="`max_new_tokens` must be a non-negative integer; got -1"):
         dat_hf.export.generate(program, PROMPT, max_new_tokens=-1)
+    plain = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))  # (a program without a cache)
+    with pytest.raises(ValueError, match="`exported_program` has no `key_cache` buffer: export it with"):
+        dat_hf.export.generate(plain, PROMPT, max_new_tokens=3)
 
 
 def test_import_dat_hf_reaches_dat_hf_export(monkeypatch):
