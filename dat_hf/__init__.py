@@ -1,6 +1,9 @@
 """dat_hf: the Dual Attention Transformer as a Hugging Face Transformers model family.
 
-`import dat_hf` registers every config and model class with the Auto classes.
+`import dat_hf` registers every config and model class with the Auto classes, and the language models' model types
+(`dat`, `dat_seq2seq`) in Transformers' causal-LM and seq2seq-LM name mappings, by which lm-eval's `HFLM`, the
+`Trainer`'s label smoothing and `transformers serve` tell the two apart. `dat_hf.export` (ExecuTorch-style export) is
+imported on first use.
 """
 
 from transformers import (
@@ -12,6 +15,10 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 from transformers import AutoModelForSeq2SeqLM
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+)
 
 # from its module, not `transformers.AutoImageProcessor`: Transformers 5.17 files the Auto class under the torchvision
 # backend, so without torchvision the top-level name is a placeholder that raises ImportError
@@ -83,8 +90,23 @@ DATSeq2SeqConfig.register_for_auto_class("AutoConfig")
 DATSeq2SeqModel.register_for_auto_class("AutoModel")
 DATForSeq2SeqLM.register_for_auto_class("AutoModelForSeq2SeqLM")
 
+# model type -> class name, which lm-eval (`HFLM`'s backend, else "neither marked as CausalLM or Seq2SeqLM"), the
+# Trainer (label smoothing shifts the labels of a causal LM) and `transformers serve` read; the Auto classes resolve
+# the classes registered above first, and never look up a model type that is not in CONFIG_MAPPING_NAMES
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("dat", DATForCausalLM.__name__)
+MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.setdefault("dat_seq2seq", DATForSeq2SeqLM.__name__)
+
 # `AutoModelForCausalLM.from_pretrained` also loads the authors' `dual-attention` Hub checkpoints (converted on load)
 register_authors_format()
+
+
+def __getattr__(name):
+    """`dat_hf.export` on first use (it imports Transformers' ExecuTorch integration, which `import dat_hf` skips)."""
+    if name == "export":
+        import importlib
+
+        return importlib.import_module(".export", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def from_reference_model(module, **kwargs):
