@@ -114,8 +114,9 @@ def test_transformers_common_tests_are_fetched():
 # the bases of the test cases; without the fetched tests, none (plain classes that pytest does not collect)
 TEST_BASES = (modeling_common.ModelTesterMixin, unittest.TestCase) if MISSING is None else ()
 
-# Transformers' built-in model-name mappings decide which classes get labels in the common tests; DAT registers
-# with the Auto classes only, so its classes join those mappings while the test cases run
+# Transformers' built-in model-name mappings decide which classes get labels in the common tests; `import dat_hf`
+# adds only its language models to the causal / seq2seq LM names (for Trainer and lm-eval), so its other classes
+# join those mappings while the test cases run
 DAT_MAPPING_NAMES = {
     "MODEL_MAPPING_NAMES": {"dat": "DATModel", "dat_vision": "DATVisionModel", "dat_seq2seq": "DATSeq2SeqModel"},
     "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": {"dat": "DATForCausalLM"},
