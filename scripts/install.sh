@@ -2,8 +2,8 @@
 # Install dat_hf from this checkout (editable, with its dev/test dependencies), CPU PyTorch and the Shakespeare plays
 # used by the demo, into a virtual environment of its own (.venv/, or DAT_HF_VENV=PATH), with the versions the suite
 # was tested with (constraints/tested.txt; DAT_HF_CONSTRAINTS=FILE for another set, DAT_HF_CONSTRAINTS=none for the
-# newest releases setup.cfg allows). PyTorch: 2.13.0, the tested release (CPU where the index has that build);
-# DAT_HF_TORCH=VERSION for another, DAT_HF_TORCH=newest for the newest pip allows (CI's newest leg). One line per
+# newest releases setup.cfg allows). PyTorch: the tested release (constraints/tested.txt's pin), DAT_HF_TORCH=VERSION
+# for another, DAT_HF_TORCH=newest for the newest pip allows (CI's newest leg; the index's build). One line per
 # step; pip's own messages (downloads, errors) are shown, its "Requirement already satisfied" lines are not. A step
 # whose packages are already installed is skipped, so a second run takes seconds.
 set -euo pipefail
@@ -22,7 +22,7 @@ pip_install() {
 
 version() { python -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
 
-TORCH="${DAT_HF_TORCH:-2.13.0}"
+TORCH="${DAT_HF_TORCH:-$(sed -n 's/^torch==//p' constraints/tested.txt)}"
 if version torch >/dev/null; then
   say "PyTorch $(version torch) is already installed"
 elif [ "$TORCH" = newest ]; then
