@@ -2,9 +2,10 @@
 # Install dat_hf from this checkout (editable, with its dev/test dependencies), CPU PyTorch and the Shakespeare plays
 # used by the demo, into a virtual environment of its own (.venv/, or DAT_HF_VENV=PATH), with the versions the suite
 # was tested with (constraints/tested.txt; DAT_HF_CONSTRAINTS=FILE for another set, DAT_HF_CONSTRAINTS=none for the
-# newest releases setup.cfg allows). One line per step; pip's own messages (downloads, errors) are shown, its
-# "Requirement already satisfied" lines are not. A step whose packages are already installed is skipped, so a second
-# run takes seconds.
+# newest releases setup.cfg allows). PyTorch: the tested release (constraints/tested.txt's pin), DAT_HF_TORCH=VERSION
+# for another, DAT_HF_TORCH=newest for the newest pip allows (CI's newest leg; the index's build). One line per
+# step; pip's own messages (downloads, errors) are shown, its "Requirement already satisfied" lines are not. A step
+# whose packages are already installed is skipped, so a second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -21,12 +22,16 @@ pip_install() {
 
 version() { python -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
 
+TORCH="${DAT_HF_TORCH:-$(sed -n 's/^torch==//p' constraints/tested.txt)}"
 if version torch >/dev/null; then
   say "PyTorch $(version torch) is already installed"
+elif [ "$TORCH" = newest ]; then
+  say "installing the newest PyTorch pip allows (DAT_HF_TORCH=newest): a large download, minutes on a fresh machine"
+  pip_install torch "${constraint_args[@]}"
 else
-  say "installing PyTorch 2.13.0 (CPU): a large download, a minute or more on a fresh machine"
-  pip_install "torch==2.13.0" "${constraint_args[@]}" || {
-    say "torch==2.13.0 is not available from this package index: installing the newest torch instead"
+  say "installing PyTorch $TORCH (CPU): a large download, a minute or more on a fresh machine"
+  pip_install "torch==$TORCH" "${constraint_args[@]}" || {
+    say "torch==$TORCH is not available from this package index: installing the newest torch instead"
     pip_install torch
   }
 fi

@@ -39,13 +39,15 @@ BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_sensory_head
             initializer_range=0.2)
 
 
-# every configuration below compiles FlexAttention again (Transformers compiles it once per process, then Dynamo
-# recompiles per shape and mask); past the recompile limit Dynamo would run it uncompiled
-if hasattr(torch._dynamo.config, "recompile_limit"):  # (torch's private knobs: set where the release has them)
-    torch._dynamo.config.recompile_limit = 64
-if DEVICE.type == "cpu" and hasattr(torch._dynamo.config, "automatic_dynamic_shapes"):  # PyTorch 2.13's inductor fails to compile FlexAttention's CPU kernel for dynamic shapes
-    # (`CppCompileError: 'cur_qSplitSize6' was not declared`), which Dynamo makes after a second shape: static ones
-    torch._dynamo.config.automatic_dynamic_shapes = False
+@pytest.fixture(autouse=True)
+def _compiler_settings(request):
+    """For each test only (CI runs this file in one process with other modules): every configuration below compiles
+    FlexAttention again (Dynamo recompiles per shape and mask; past the recompile limit it would run it uncompiled);
+    on CPU static shapes only (PyTorch 2.13's inductor fails to compile FlexAttention's CPU kernel for dynamic ones,
+    `CppCompileError: 'cur_qSplitSize6' was not declared`, which Dynamo makes after a second shape)."""
+    set_torch_config(request, torch._dynamo.config, "recompile_limit", 64)
+    if DEVICE.type == "cpu":
+        set_torch_config(request, torch._dynamo.config, "automatic_dynamic_shapes", False)
 
 
 @pytest.fixture(autouse=True)
