@@ -60,6 +60,21 @@ def flex_inputs(*tensors):
     return tuple(t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t for t in tensors)
 
 
+# inductor's C++ FlexAttention template (PyTorch 2.13 and 2.14.1, AVX2) computes wrong or non-finite outputs for
+# query/key head dimensions under 32 when the length is not a multiple of 16 (e.g. d_h = 16 at 24 or 40 tokens, with
+# or without a mask; what the call returns then depends on what ran before). Zero columns leave every score as it is.
+CPU_FLEX_MIN_QK_DIM = 32
+
+
+def cpu_flex_query_key(query, key):
+    """query `[b, h, q, d]` and key `[b, h_kv, kv, d]` with zero columns up to `CPU_FLEX_MIN_QK_DIM` when `d` is
+    narrower on CPU (the scores, and so the output, are unchanged: the caller passes the scale of `d`)."""
+    pad = CPU_FLEX_MIN_QK_DIM - query.shape[-1]
+    if query.device.type != "cpu" or pad <= 0:
+        return query, key
+    return nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
+
+
 _compiled_flex = {}
 
 
@@ -95,7 +110,8 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
         def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             return score + additive[batch_idx if additive.shape[0] > 1 else 0, 0, q_idx, kv_idx]
 
-    query, key, value = flex_inputs(query, key, value)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # of the head dimension, before any padding
+    query, key, value = flex_inputs(*cpu_flex_query_key(query, key), value)
     out = _compiled_flex_attention(query.device.type)(query, key, value, score_mod=score_mod, block_mask=block_mask,
                                                        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
@@ -146,5 +162,5 @@ def flex_relational_attention(query, key, symbol_values, relation_queries, relat
     return messages, None, None
 
 
-__all__ = ["flex_attention_forward", "flex_inputs", "flex_relational_attention", "flex_value_chunks", "relational_output",
+__all__ = ["cpu_flex_query_key", "flex_attention_forward", "flex_inputs", "flex_relational_attention", "flex_value_chunks", "relational_output",
            "sdpa_relational_attention"]

@@ -389,6 +389,21 @@ def test_flex_value_chunks():
     assert flex_value_chunks(128, 32, "xpu") == [128]
 
 
+def test_flex_attention_narrow_heads_on_cpu():
+    """Inductor's C++ FlexAttention (PyTorch 2.13 and 2.14.1) gives wrong or non-finite outputs for head dimensions
+    under 32 at lengths that are not a multiple of 16 (d_h = 8 and 16 at 8, 24 and 40 tokens failed, each with and
+    without a mask): dat_hf's FlexAttention call pads queries and keys with zero columns, and matches SDPA."""
+    torch.manual_seed(0)
+    for d, length in [(16, 24), (8, 40), (16, 8)]:
+        query, key, value = torch.randn(1, 4, length, d), torch.randn(1, 2, length, d), torch.randn(1, 2, length, 12)
+        causal = create_block_mask(lambda b, h, q, kv: kv <= q, 1, None, length, length, device="cpu")
+        got, _ = relational_attention_fused.flex_attention_forward(None, query, key, value, causal, scaling=d ** -0.5)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), is_causal=True)
+        assert torch.isfinite(got).all(), f"head dimension {d}, {length} tokens"
+        assert_close(got, expected.transpose(1, 2), 1e-5, what=f"head dimension {d}, {length} tokens")
+
+
 @pytest.mark.parametrize("case", ["causal", "gqa-1-bool", "decoding-step-padding"])
 def test_flex_attention_in_value_chunks_matches_reference(case, monkeypatch):
     """The chunked calls (off CPU) run here on CPU tensors: values 21 wide (d 6 + 3 x 5) in chunks of at most 8
