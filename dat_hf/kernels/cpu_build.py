@@ -488,8 +488,9 @@ def ensure_built(name=None, sources=None, flags=None, root=None, timeout=None, a
             private = tempfile.mkdtemp(prefix=f".{name}.build-", dir=root)
             try:
                 announce(f"dat_hf: {what} for this CPU ({torch.backends.cpu.get_cpu_capability()}), once per "
-                         f"machine (10-120 s); cached in {root / name}. Build ahead with `python -m dat_hf.kernels "
-                         "build`; skip with DAT_HF_CPU_KERNEL=0 (the PyTorch backends compute the same results).")
+                         f"machine (1-3 minutes on 2 cores); cached in {root / name}. Build ahead with `python -m "
+                         "dat_hf.kernels build`; skip with DAT_HF_CPU_KERNEL=0 (the PyTorch backends compute the same "
+                         "results).")
                 _compile_into(private, name, sources, flags, deadline, check)
                 os.chmod(private, 0o755)  # mkdtemp's 0o700 would hide a shared cache from its other users
                 try:
