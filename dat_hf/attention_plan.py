@@ -256,12 +256,15 @@ class AttentionPlan(NamedTuple):
         sensory_biases = masks if sensory_biases is None else sensory_biases
         relational_biases = masks if relational_biases is None else relational_biases
         dropout = config.attention_dropout if training else 0.0
+        # (continuous batching sets "paged|eager": DAT's heads read the paged cache themselves, `cache_dat.PagedCache`)
+        implementation = config._attn_implementation
+        implementation = implementation.removeprefix("paged|") if isinstance(implementation, str) else implementation
         function = eager_attention_forward
         if not output_attentions:  # (fused kernels return no weights)
-            function = DAT_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+            function = DAT_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         sensory_format = ("dense" if function is eager_attention_forward
                           else "block_mask" if function is flex_attention_forward else "tensor")
-        name = "eager" if function is eager_attention_forward else config._attn_implementation
+        name = "eager" if function is eager_attention_forward else implementation
         sensory = {bias: PlannedSensory(masks[bias], name, function, sensory_format, not output_attentions)
                    for bias in dict.fromkeys(sensory_biases)}
         if relative_symbols is None:
@@ -271,7 +274,7 @@ class AttentionPlan(NamedTuple):
         for bias in dict.fromkeys(relational_biases):
             call = RelationalCall.of_forward(query_like, query_like.shape[1], requires_grad, output_attentions,
                                              config.relation_activation, relative_symbols, dropout, masks[bias])
-            relational[bias] = PlannedRelational(masks[bias], call, requested, config._attn_implementation)
+            relational[bias] = PlannedRelational(masks[bias], call, requested, implementation)
         return cls(sensory, relational)
 
 

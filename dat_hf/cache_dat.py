@@ -15,6 +15,7 @@ their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decodi
 from functools import partial
 
 import torch
+from torch import nn
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
                                       StaticCache, StaticLayer, StaticSlidingWindowLayer)
 
@@ -180,6 +181,63 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
         return seen % self.max_cache_len if query_length == 1 else seen.clamp(max=self.max_cache_len - 1)
 
 
+# what Transformers' continuous batching hands the model's forward for its paged cache (besides ids, positions, mask)
+PAGED_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "read_index", "write_index",
+                   "block_table", "is_causal", "logits_indices", "logits_processor_args")
+
+
+class PagedCache:
+    """One continuous-batching forward over Transformers' `PagedAttentionCache`, for DAT's layers: the batch is one
+    packed row of M new tokens from many requests (`position_ids` `[1, M]`, their positions in their requests), and
+    `update` hands back, request after request, every token each request's receivers may read (its cached tokens,
+    oldest first, then its new ones: N in all; a sliding-window layer's last window only).
+
+    The paged cache holds, per token and layer, `num_key_value_heads` heads of `head_dim` for keys and as many for
+    values (`DATConfig.num_key_value_heads`): DAT's packed token (`PackedCache`: keys of both head types | sensory
+    values, symbol values, relation keys; `DATConfig.packed_cache_width` elements) is flattened, zero-padded to
+    `2 * num_key_value_heads * head_dim` and stored as those two halves.
+    """
+
+    def __init__(self, cache, arguments: dict, position_ids: torch.Tensor, config):
+        self.cache, self.arguments = cache, arguments
+        self.position_ids = position_ids.reshape(-1)  # [M]
+        self.heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self._relative_index = {}
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """keys `[1, h_k, M, d_h]`, values `[1, 1, M, w]` (`PackedCache.pack`) -> keys `[1, h_k, N, d_h]`, values
+        `[1, 1, N, w]`."""
+        _, key_heads, m, d = keys.shape
+        width = values.shape[-1]
+        tokens = torch.cat((keys.transpose(1, 2).reshape(m, key_heads * d), values[0, 0]), dim=-1)  # [M, W]
+        tokens = nn.functional.pad(tokens, (0, 2 * self.heads * d - tokens.shape[-1])).view(m, 2, self.heads, d)
+        # (the paged cache takes `[1, heads, M, d]` and moves it back to `[M, heads, d]`: views, no copy)
+        halves = [tokens[:, i].transpose(0, 1)[None] for i in (0, 1)]
+        read = self.cache.update(*halves, layer_idx, dict(self.arguments))  # (it rewrites its kwargs' entries)
+        n = read[0].shape[2]
+        tokens = torch.stack([half[0].transpose(0, 1) for half in read], dim=1).reshape(n, -1)
+        return (tokens[:, :key_heads * d].view(n, key_heads, d).transpose(0, 1)[None],
+                tokens[:, key_heads * d:key_heads * d + width][None, None])
+
+    def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:
+        """Rows of the position-relative symbol table for every (receiver, key) pair of a layer's update: long `[M,
+        N]`, `clip(key position - receiver position, -K, K) + K` (pairs across requests are masked). A request's keys
+        end with its last receiver and are consecutive positions before it."""
+        layer_type = self.cache.layer_to_allocator[layer_idx].layer_type
+        if layer_type not in self._relative_index:
+            starts = self.arguments["cu_seq_lens_k"]
+            starts = starts[layer_type] if isinstance(starts, dict) else starts
+            ends_q = self.arguments["cu_seq_lens_q"][1:].long() - 1
+            starts = starts.long()
+            lengths = starts[1:] - starts[:-1]
+            request = torch.repeat_interleave(torch.arange(len(lengths), device=starts.device), lengths)
+            column = torch.arange(int(starts[-1]), device=starts.device)
+            key_positions = self.position_ids[ends_q][request] - (starts[1:][request] - 1 - column)
+            offsets = key_positions[None, :] - self.position_ids[:, None]
+            self._relative_index[layer_type] = offsets.clamp(-clip, clip) + clip
+        return self._relative_index[layer_type]
+
+
 def query_slot(cache: Cache, layer_idx: int, query_length: int):
     """The index, among the keys `cache.update` returns for `layer_idx`, of the first of `query_length` new tokens
     (a static cache's keys are longer than the tokens seen; a sliding window's start past the first token, or, in a
@@ -257,5 +315,5 @@ def check_cache(cache: Cache) -> None:
                 )
 
 
-__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "check_cache", "prepare_cache",
-           "query_slot", "ring_layer"]
+__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "PAGED_ARGUMENTS", "PagedCache",
+           "check_cache", "prepare_cache", "query_slot", "ring_layer"]

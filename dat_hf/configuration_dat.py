@@ -26,6 +26,8 @@ MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_pytorch_tanh", "relu", "silu", "tanh"
 # Relational inductive biases (attention graphs). "bidirectional" variants only make sense in encoders.
 RELATIONAL_BIASES = ("full", "causal", "sliding_window", "sliding_window_bidirectional", "sparse", "graph")
 CAUSAL_BIASES = ("causal", "sliding_window", "sparse", "graph")
+# the biases continuous batching serves (Transformers' manager builds causal and sliding-window masks)
+PAGED_BIASES = ("causal", "sliding_window")
 
 
 def _check_choice(name, value, choices):
@@ -285,6 +287,28 @@ class DualAttentionConfig(PreTrainedConfig):
             return self.relation_dim
         return self.head_dim * self.num_relational_heads // max(self.relations, 1)
 
+    @property
+    def packed_cache_width(self) -> int:
+        """Elements per token one layer caches (`dual_attention.PackedCache`): keys of both head types (the sensory
+        heads' only without `share_attention_params`), sensory values, symbol values (not for position-relative
+        symbols, whose table is not cached) and relation keys."""
+        d, sensory, relational = self.head_dim, self.num_sensory_heads > 0, self.num_relational_heads > 0
+        keys = (self.relational_kv_heads * d if relational else 0) + (
+            self.sensory_kv_heads * d if sensory and not (self.share_attention_params and relational) else 0)
+        values = self.sensory_kv_heads * d if sensory else 0
+        if relational:
+            values += (self.relational_kv_heads * d if self.symbol_retrieval != "position_relative" else 0) + (
+                self.relations * self.relation_head_dim)
+        return keys + values
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """Heads of `head_dim` a one-shape cache needs per token and layer for keys and for values alike, to hold
+        DAT's packed layer (`packed_cache_width`, split in two halves): what Transformers' paged cache (continuous
+        batching) sizes its pages from. Not a model width: the heads' own are `num_sensory_key_value_heads` and
+        `num_relational_key_value_heads`."""
+        return -(-self.packed_cache_width // (2 * self.head_dim))
+
     def layer_bias(self, layer_idx: int, relational: bool) -> str:
         """The relational bias (attention graph) of one layer's sensory or relational heads."""
         return self.layer_biases()[layer_idx][int(relational)]
@@ -318,6 +342,25 @@ class DualAttentionConfig(PreTrainedConfig):
     @sliding_window.setter
     def sliding_window(self, value: int | None):
         self.sliding_window_size = None if value is None else value - 1
+
+    def continuous_batching_limits(self) -> list[str]:
+        """Why Transformers' continuous batching (packed batches over a paged cache, one mask per cache layer type:
+        causal or sliding window) cannot serve this configuration: one line per field that stops it; empty when it
+        can."""
+        limits = []
+        for name, bias in (("relational_bias", self.relational_bias), ("relational_heads_bias",
+                                                                        self.relational_heads_bias)):
+            for value in dict.fromkeys(bias if isinstance(bias, list) else [bias]):
+                if value is not None and value not in PAGED_BIASES:
+                    limits.append(f"`{name}`={value!r} (continuous batching serves {list(PAGED_BIASES)})")
+        if not limits and any((sensory == "sliding_window") != (relational == "sliding_window")
+                              for sensory, relational in self.layer_biases()):
+            limits.append("a layer whose sensory and relational heads have different biases, one of them "
+                          "'sliding_window' (`relational_heads_bias`): the manager builds one mask per layer")
+        if self.relational_attn_implementation == "flex_attention":
+            limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "
+                          "tensors; leave it unset or use 'sdpa'/'eager')")
+        return limits
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_dual_attention(self):

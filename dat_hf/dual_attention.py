@@ -19,7 +19,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .attention_plan import PlannedRelational, PlannedSensory, eager_attention_forward, eager_attention_weights
-from .cache_dat import query_slot, ring_layer
+from .cache_dat import PagedCache, query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv)
@@ -349,7 +349,10 @@ class DualAttention(nn.Module):
                 # a ring's keys are in slot order; a copy: a static layer counts its length in a tensor the update
                 # increments)
                 query_offset = ring = None
-                if cache is not None:
+                if isinstance(cache, PagedCache):  # (a packed batch of requests: rows per pair)
+                    relative_position_index = cache.relative_position_index(self.layer_idx,
+                                                                            relational.max_relative_position)
+                elif cache is not None:
                     query_offset = torch.as_tensor(query_slot(cache, self.layer_idx, n)).clone()
                     ring = ring_layer(cache, self.layer_idx)
                 symbols_at = relational.symbols_at(query_offset, None if ring is None else ring.max_cache_len,

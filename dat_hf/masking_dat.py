@@ -466,6 +466,25 @@ def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, At
         causal and bias != "full"), block_mask=masks[bias] if flex else None) for bias in dict.fromkeys(biases)}
 
 
+# the biases continuous batching serves, and the layer type whose mask Transformers' manager builds for each
+PAGED_LAYER_TYPES = {"causal": "full_attention", "sliding_window": "sliding_attention"}
+
+
+def paged_masks(attention_mask, biases) -> dict[str, AttentionMask]:
+    """Continuous batching's masks -> `{bias: AttentionMask}`. The manager builds one additive mask `[1, 1, M, N]`
+    per cache layer type (a dict `{layer type: mask}` when the model has both): each request's new tokens over the
+    tokens the paged cache reads back for it, in causal order (and its sliding window); 0 where it attends."""
+    if attention_mask is None:
+        raise ValueError("Continuous batching gave no attention mask: DAT's heads run with 'sdpa' or 'eager' "
+                         "(`attn_implementation`), for which Transformers' manager builds one.")
+    masks = {}
+    for bias in dict.fromkeys(biases):
+        mask = attention_mask[PAGED_LAYER_TYPES[bias]] if isinstance(attention_mask, dict) else attention_mask
+        # as bool (what the compiled kernels take); receiver blocks skip the senders of other requests
+        masks[bias] = _with_row_validity(mask if mask.dtype == torch.bool else mask == 0, is_causal=False)
+    return masks
+
+
 def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
     """What `create_masks_for_generate` hands over for one bias: the dense mask, or, where the causal order is
     implicit (None) but FlexAttention heads need it, the explicit causal mask over the slots of the `BlockMask`."""
@@ -485,5 +504,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, cache=None, posit
     }
 
 
-__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "prebuildable", "prebuilt_masks",
-           "build_cross_attention_mask", "build_masks", "check_graph_adjacency"]
+__all__ = ["PAGED_LAYER_TYPES", "AttentionMask", "SlidingWindow", "build_attention_mask", "build_cross_attention_mask",
+           "build_masks", "check_graph_adjacency", "paged_masks", "prebuildable", "prebuilt_masks"]

@@ -21,6 +21,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -35,7 +36,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig, DATEncoderConfig
-from .cache_dat import check_cache, prepare_cache
+from .cache_dat import PAGED_ARGUMENTS, PagedCache, check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import replaceable
 from .input_validation import (
@@ -47,9 +48,10 @@ from .input_validation import (
     validate_token_classification,
 )
 from .attention_plan import AttentionPlan, gradients_flow
-from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
+from .masking_dat import build_masks, paged_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
-from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
+from .transformers_compat import (CACHE_NAMES, cache_kwargs, output_cache, paged_cache_limits, slice_logits_to_keep,
+                                  takes_cache)
 
 
 # What DAT outputs add to Transformers' outputs, in the format `auto_docstring` reads
@@ -182,7 +184,9 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     config = model.config
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
-    if isinstance(attention_mask, dict):
+    if isinstance(cache, PagedCache):
+        masks = paged_masks(attention_mask, biases)
+    elif isinstance(attention_mask, dict):
         masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
     else:
         if "graph" in biases:
@@ -193,6 +197,25 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
                                model.training, [sensory for sensory, _ in layer_biases],
                                [relational for _, relational in layer_biases])
     return layer_biases, plan
+
+
+def paged_arguments(cache, kwargs: dict) -> dict | None:
+    """For continuous batching (a `PagedAttentionCache`), the arguments of its batch taken out of `kwargs` (they
+    serve the cache, not the attention functions); else None."""
+    if not isinstance(cache, PagedAttentionCache):
+        return None
+    return {name: kwargs.pop(name) for name in PAGED_ARGUMENTS if name in kwargs}
+
+
+def check_continuous_batching(config) -> None:
+    """Refuse, naming every reason, what continuous batching cannot serve: the config's fields
+    (`DATConfig.continuous_batching_limits`) and a Transformers release whose paged cache differs."""
+    limits = config.continuous_batching_limits()
+    if (release := paged_cache_limits()) is not None:
+        limits.append(release)
+    if limits:
+        raise ValueError("Continuous batching cannot serve this DAT model: " + "; ".join(limits) + ". Batch the "
+                         "prompts with padding and call `generate` instead.")
 
 
 def starts_cache(model, use_cache, cache) -> bool:
@@ -457,23 +480,28 @@ class DATModel(DATPreTrainedModel):
             sequence_length, hidden_size)`, the cache, and on request the hidden states, the attention weights of every
             head and the relations.
         """
-        past_seen = cache.get_seq_length() if cache is not None else 0
-        validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen,
-                             vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
+        # continuous batching (`generate_batch`): one packed row of many requests' tokens over a paged cache
+        paged = paged_arguments(cache, kwargs)
+        past_seen = cache.get_seq_length() if cache is not None and paged is None else 0
+        validate_text_inputs(input_ids, inputs_embeds, attention_mask if paged is None else None, position_ids,
+                             past_seen, vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
         kwargs.pop("output_relations", None)
         kwargs.pop("output_hidden_states", None)
 
-        starts_own_cache = starts_cache(self, use_cache, cache)  # (a user's dynamic cache keeps its layers)
-        if starts_own_cache:
-            cache = DynamicCache(config=self.config)
-        if cache is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(cache, in_place=starts_own_cache))
-        past_seen = cache.get_seq_length() if cache is not None else 0
+        if paged is None:
+            starts_own_cache = starts_cache(self, use_cache, cache)  # (a user's dynamic cache keeps its layers)
+            if starts_own_cache:
+                cache = DynamicCache(config=self.config)
+            if cache is not None:  # DAT's layers: keys and values have their own head counts
+                check_cache(prepare_cache(cache, in_place=starts_own_cache))
+            past_seen = cache.get_seq_length() if cache is not None else 0
         position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
                                                             past_seen, inputs_embeds.device)
+        if paged is not None:
+            cache = PagedCache(cache, paged, position_ids, self.config)
 
         hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
                                                            self.config.position_embedding_type)
@@ -486,6 +514,8 @@ class DATModel(DATPreTrainedModel):
             position_embeddings=position_embeddings, cache=cache, **kwargs,
         )
         hidden_states = self.norm(hidden_states)
+        if paged is not None:
+            cache = cache.cache
         return DATModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
     @staticmethod
@@ -517,14 +547,12 @@ class DATGenerationMixin(GenerationMixin):
         return None
 
     def init_continuous_batching(self, *args, **kwargs):
-        """Refused (it would fail request by request, returning no tokens): continuous batching (`generate_batch`,
-        `init_continuous_batching`) runs every head through Transformers' paged attention over a paged cache of one
-        key/value layout."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support continuous batching (`generate_batch`, "
-            "`init_continuous_batching`): Transformers' paged attention and paged cache serve self-attention heads, "
-            "and DAT's relational heads need their own cache layout. Pad the prompts into a batch and call `generate`."
-        )
+        """Transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve
+        --continuous-batching`): every layer's packed cache (`PackedCache`) lives in the manager's paged cache
+        (`PagedCache`), and both head types attend over its packed batches with the mask it builds per layer type.
+        Configurations it cannot serve are refused here, by name (`check_continuous_batching`)."""
+        check_continuous_batching(self.config)
+        return super().init_continuous_batching(*args, **kwargs)
 
     @takes_cache
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache=None, position_ids=None,

@@ -13,10 +13,13 @@ dat_hf's code follows the newest convention; this module maps it onto the instal
   `FutureWarning` from 5.24 on, like Transformers' models); what dat_hf hands to Transformers uses the installed
   release's name (`CACHE_NAME`).
 - 5.17 has no `transformers.modeling_utils.slice_logits_to_keep`; dat_hf's own follows its rules.
+- Continuous batching's paged cache (`generation/continuous_batching`) changed its API between releases; DAT's layers
+  use the one of 5.24 (`paged_cache_limits` says whether the installed release has it).
 """
 
 import dataclasses
 import functools
+import inspect
 import re
 import textwrap
 import warnings
@@ -97,6 +100,23 @@ def warn_if_untested_transformers(installed: str = transformers.__version__) -> 
     return True
 
 
+# what DAT's `PagedCache` uses of Transformers' `PagedAttentionCache` (5.24): `update(key_states, value_states,
+# layer_idx, kwargs)` with the batch's read/write indices in the kwargs, and `layer_to_allocator[i].layer_type`
+PAGED_CACHE_UPDATE = ["self", "key_states", "value_states", "layer_idx", "kwargs"]
+
+
+def paged_cache_limits() -> str | None:
+    """Why the installed Transformers' paged cache cannot hold DAT's layers, or None when it can."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    parameters = list(inspect.signature(PagedAttentionCache.update).parameters)
+    if parameters != PAGED_CACHE_UPDATE or "layer_to_allocator" not in inspect.getsource(PagedAttentionCache.__init__):
+        return (f"transformers {transformers.__version__}'s paged cache (`PagedAttentionCache.update({', '.join(parameters[1:])})`) "
+                f"is not the one DAT's layers use (Transformers {TESTED_TRANSFORMERS[1]}: "
+                f"`update({', '.join(PAGED_CACHE_UPDATE[1:])})`); install transformers=={TESTED_TRANSFORMERS[1]}")
+    return None
+
+
 def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
     last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
@@ -112,4 +132,5 @@ def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torc
 
 
 __all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs", "output_cache",
+           "paged_cache_limits",
            "slice_logits_to_keep", "takes_cache", "warn_if_untested_transformers"]

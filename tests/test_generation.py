@@ -181,16 +181,6 @@ def test_self_speculative_decoding():
     assert not torch.allclose(early, model(prompt).logits, atol=1e-3)
 
 
-def test_continuous_batching_is_refused_with_a_message():
-    """`generate_batch` (Transformers' paged attention, self-attention heads only) would log an error per request and
-    return no tokens: it is refused up front."""
-    from transformers import GenerationConfig
-
-    model = make_model()
-    with pytest.raises(NotImplementedError, match="does not support continuous batching"):
-        model.generate_batch(inputs=[[5, 6, 7], [8, 9]], generation_config=GenerationConfig(max_new_tokens=3))
-
-
 def test_beam_search_and_sampling(gen_model):
     model = gen_model
     ids = random_ids(2, 4)

@@ -1,0 +1,186 @@
+"""Continuous batching (`generate_batch`: Transformers' manager, packed batches of many requests over its paged cache)
+gives, request by request, what `generate` gives for each prompt alone.
+
+The models are those of tests/test_cached_scores.py (spread logits, so that the next token depends on the whole
+prefix: checked here too, else equal tokens would prove nothing). Prompts of 1 to 100 tokens in pages of 16 tokens and
+batches of at most 48 tokens: long prompts are prefilled in chunks that read their own earlier chunks back from the
+cache, beside other requests' decoding steps.
+"""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from packaging.version import Version
+from test_cached_scores import DEPENDENCE, INIT, recomputed_logits
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import dat_hf.kernels.cpu as kernel
+from dat_hf import DATForCausalLM
+from dat_hf.kernels import cpu_build
+from dat_hf.cache_dat import PAGED_ARGUMENTS
+from dat_hf.transformers_compat import PAGED_CACHE_UPDATE, paged_cache_limits
+
+PROMPT_LENGTHS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 77, 89, 100)
+NEW_TOKENS = 5
+ATOL = 1e-4  # float32 log-probabilities: packed and single-request sums differ by ~1e-6
+PAGED_API = Version(transformers.__version__).release >= (5, 24)  # (`paged_cache_limits` is tested against it)
+
+
+def model_of(**overrides):
+    torch.manual_seed(0)
+    return DATForCausalLM(tiny_config(initializer_range=INIT, max_position_embeddings=128, **overrides)).eval()
+
+
+def prompts():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 97, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def generation_config(**overrides):
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kwargs.update(overrides)
+    return GenerationConfig(**kwargs)
+
+
+def generate_batch(model, inputs, config, **cb_overrides):
+    """`generate_batch` with a small paged cache (sized, not inferred from the machine's memory) -> outputs in
+    request order (request `req_i`, forks `req_i__1`, ...)."""
+    cb_kwargs = dict(page_size=16, num_blocks=160, max_batch_tokens=48, return_logprobs=True)
+    cb_kwargs.update(cb_overrides)
+    outputs = model.generate_batch(inputs, generation_config=copy.deepcopy(config),
+                                   continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs))
+    for output in outputs.values():
+        assert output.error is None, output.error
+    return [outputs[key] for key in sorted(outputs, key=lambda key: (int(key.split("_")[1]), key))]
+
+
+def greedy_alone(model, prompt):
+    """`generate` on one prompt: (tokens, log-probabilities of the chosen tokens)."""
+    out = model.generate(torch.tensor([prompt]),
+                         generation_config=generation_config(output_logits=True, return_dict_in_generate=True))
+    tokens = out.sequences[0, len(prompt):]
+    logprobs = torch.stack(out.logits, dim=1)[0].log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens.tolist(), logprobs
+
+
+def assert_prefix_matters(model, prompt, tokens):
+    sequence = torch.tensor([prompt + tokens])
+    expected, alone = recomputed_logits(model, sequence, torch.ones(1, len(prompt), dtype=torch.long), len(prompt))
+    first = 1 if len(prompt) == 1 else 0  # (a one-token prompt's first step has no prefix)
+    assert (expected - alone)[:, first:].abs().amax(dim=-1).min() > DEPENDENCE, "the prefix barely matters: no test"
+    return expected[0]
+
+
+CASES = {
+    "default": dict(),
+    "gqa": dict(num_sensory_key_value_heads=1, num_relational_key_value_heads=1),
+    # every head on a window of 3 previous tokens: Transformers' sliding allocator (a ring of 4 tokens per request)
+    "sliding-window": dict(relational_bias="sliding_window", sliding_window_size=3),
+    # one full and one sliding layer: both allocators, a mask per layer type
+    "full-and-sliding-layers": dict(relational_bias=["causal", "sliding_window"], sliding_window_size=3),
+    "position-relative-symbols": dict(symbol_retrieval="position_relative"),
+    "positional-symbols": dict(symbol_retrieval="positional"),
+    "shared-attention-params": dict(share_attention_params=True),
+}
+
+
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+@pytest.mark.parametrize("name", list(CASES))
+def test_generate_batch_equals_generate_alone(name):
+    model = model_of(**CASES[name])
+    inputs = prompts()
+    outputs = generate_batch(model, inputs, generation_config())
+    assert [output.prompt_ids for output in outputs] == inputs
+    for prompt, output in zip(inputs, outputs):
+        tokens, logprobs = greedy_alone(model, prompt)
+        assert output.generated_tokens == tokens, f"prompt of {len(prompt)} tokens"
+        torch.testing.assert_close(torch.tensor(output.logprobs), logprobs, atol=ATOL, rtol=0)
+    for prompt in (inputs[4], inputs[-1]):
+        assert_prefix_matters(model, prompt, greedy_alone(model, prompt)[0])
+
+
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+@pytest.mark.parametrize("num_return_sequences", [1, 2])
+def test_seeded_sampling_scores_equal_recomputation(num_return_sequences):
+    """Sampled tokens (seeded: the same twice) with their log-probabilities, those of one forward over each whole
+    sequence; with `num_return_sequences=2` each request is forked after its prefill (the forks share its cache)."""
+    model = model_of(num_relational_key_value_heads=1)
+    inputs = prompts()[::2] if num_return_sequences > 1 else prompts()
+    config = generation_config(do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                               num_return_sequences=num_return_sequences)
+    torch.manual_seed(3)
+    outputs = generate_batch(model, inputs, config)
+    torch.manual_seed(3)
+    again = generate_batch(model, inputs, config)
+    assert [o.generated_tokens for o in outputs] == [o.generated_tokens for o in again]
+    assert len(outputs) == num_return_sequences * len(inputs)
+    for i, output in enumerate(outputs):
+        prompt = inputs[i // num_return_sequences]
+        assert output.prompt_ids == prompt
+        logits = assert_prefix_matters(model, prompt, output.generated_tokens)
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(output.generated_tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=ATOL, rtol=0)
+    if num_return_sequences > 1:  # (the forks sample apart)
+        assert any(a.generated_tokens != b.generated_tokens for a, b in zip(outputs[::2], outputs[1::2]))
+
+
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
+def test_relational_backends_over_paged_batches_equal_the_reference(backend):
+    """Each fast relational backend over the packed batches and the paged mask (as bool, with receiver blocks)
+    against the eager reference over the same batches (`relational_attn_implementation` pins one per run)."""
+    if backend == "cpu":
+        assert kernel.load_cpu_kernel(), f"the CPU kernel did not build: {cpu_build._STATE['error']}"
+    inputs = prompts()
+    reference, fast = (generate_batch(model_of(relational_attn_implementation=name, num_relational_key_value_heads=1),
+                                      inputs, generation_config()) for name in ("eager", backend))
+    for expected, output in zip(reference, fast):
+        assert output.generated_tokens == expected.generated_tokens
+        torch.testing.assert_close(torch.tensor(output.logprobs), torch.tensor(expected.logprobs), atol=ATOL, rtol=0)
+
+
+def test_packed_cache_fits_the_paged_pages():
+    """`DATConfig.num_key_value_heads` heads of `head_dim` hold a layer's packed token in two halves, with less than
+    one pair of heads of padding: the widths the layers cache (`PackedCache`)."""
+    for overrides in [{}, *CASES.values(), dict(num_sensory_heads=0), dict(num_relational_heads=0),
+                      dict(num_relations=3, relation_dim=5)]:
+        model = model_of(**overrides)
+        config, packed = model.config, model.model.layers[0].dual_attn.packed
+        width = sum(packed.key_heads) * config.head_dim + sum(packed.value_widths)
+        assert config.packed_cache_width == width, overrides
+        assert 0 <= 2 * config.num_key_value_heads * config.head_dim - width < 2 * config.head_dim, overrides
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(relational_bias="sparse", sparse_block_size=4), "`relational_bias`='sparse'"),
+    (dict(relational_heads_bias="graph"), "`relational_heads_bias`='graph'"),
+    (dict(relational_heads_bias="sliding_window", sliding_window_size=3), "different biases"),
+    (dict(relational_attn_implementation="flex_attention"), "`relational_attn_implementation`='flex_attention'"),
+])
+def test_unservable_configurations_are_refused_by_name(overrides, field):
+    model = model_of(**overrides)
+    with pytest.raises(ValueError, match="Continuous batching cannot serve this DAT model") as error:
+        model.init_continuous_batching(generation_config=generation_config())
+    assert field in str(error.value)
+
+
+def test_paged_cache_api_of_the_installed_release():
+    """DAT's layers use the paged cache of Transformers 5.24 (`PagedCache`): on a release whose paged cache differs,
+    continuous batching is refused naming it; on the tested releases the API is the one `PagedCache` calls."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+    import inspect
+
+    if PAGED_API:
+        assert list(inspect.signature(PagedAttentionCache.update).parameters) == PAGED_CACHE_UPDATE
+        assert paged_cache_limits() is None
+        from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+
+        # what the manager hands the forward: the model's own arguments, or the batch's, which the forward takes out
+        forward = set(inspect.signature(DATForCausalLM.forward).parameters) | {"logits_to_keep"}
+        assert set(PagedAttentionArgs.__annotations__) - forward == set(PAGED_ARGUMENTS)
+    else:
+        with pytest.raises(ValueError, match="paged cache"):
+            model_of().init_continuous_batching(generation_config=generation_config())
