@@ -180,14 +180,60 @@ def dynamic_bytes_per_token(model, prompt, args) -> int:
 
 
 # ---- one model, every concurrency and way (a worker process) -----------------------------------------------------
+def ready_manager(model, warm, args, result):
+    """The started manager, warmed up on the `warm` prompts (its construction and those requests timed as
+    `setup_s`), its paged cache's bytes per token put in `result`; None, its error in `result`, when it cannot serve
+    the model."""
+    try:
+        start = time.perf_counter()
+        manager = start_manager(model, args)
+        continuous(manager, warm, args)
+    except Exception as error:  # noqa: BLE001 (a model the manager cannot serve: the other ways still run)
+        result["continuous_error"] = f"{type(error).__name__}: {error}"
+        return None
+    result["setup_s"] = time.perf_counter() - start
+    result["paged_bytes_per_token"] = paged_bytes_per_token(manager.batch_processor.cache)
+    return manager
+
+
+def serve_every_way(model, manager, prompts, ways, args):
+    """The requests served each way in turn -> ({way: {"seconds", "tokens_per_s"} or {"error"}}, {way: the new
+    tokens of each request}, {way: the relational backend that ran, for DAT})."""
+    serve = {"sequential": sequential, "padded": padded, "continuous": lambda m, p, a: continuous(manager, p, a)}
+    row, tokens, backends = {}, {}, {}
+    for way in ways:
+        if way == "continuous" and manager is None:
+            row[way] = {"error": "no manager"}
+            continue
+        sync(args.device)
+        start = time.perf_counter()
+        try:
+            tokens[way] = serve[way](model, prompts, args)
+        except Exception as error:  # noqa: BLE001 (reported in its cell)
+            row[way] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        sync(args.device)
+        seconds = time.perf_counter() - start
+        counts = {len(t) for t in tokens[way]}
+        if counts != {args.new_tokens}:
+            row[way] = {"error": f"requests yielded {sorted(counts)} tokens, not {args.new_tokens}"}
+            continue
+        row[way] = {"seconds": seconds, "tokens_per_s": len(prompts) * args.new_tokens / seconds}
+        if (backend := benchmark.relational_backend(model)) is not None:
+            backends[way] = backend
+    return row, tokens, backends
+
+
 def measure_model(name, args, repetition=0):
-    """Every concurrency served every way by one model -> {"concurrency": {c: {way: {"seconds", "tokens_per_s"} or
-    {"error"}}}, "tokens_equal": {c: {way: requests equal to sequential}}, bytes per token, backends}."""
+    """Every concurrency served every way by one model, the ways' order rotated by the repetition -> {"concurrency":
+    {c: {way: {"seconds", "tokens_per_s"} or {"error"}}}, "tokens_equal": {c: {way: requests whose tokens equal
+    the sequential ones}}, "distinct_tokens": {c: mean distinct tokens per sequential request}, bytes per token of
+    both caches, the manager's setup time, the relational backends}."""
     import torch
 
     torch.set_num_threads(args.threads)
     model = build_model(name, args)
-    ways = WAYS[repetition % 3:] + WAYS[:repetition % 3]  # (the order rotates with the repetition)
+    ways = WAYS[repetition % 3:] + WAYS[:repetition % 3]
     result = {"parameters": sum(p.numel() for p in model.parameters()), "ways_order": list(ways),
               "concurrency": {}, "tokens_equal": {}, "distinct_tokens": {}, "backend": {}}
     warm = request_prompts(args, 2)
@@ -195,46 +241,18 @@ def measure_model(name, args, repetition=0):
         sequential(model, warm, args)  # (one-time costs are not per-token costs)
         padded(model, warm, args)
         result["dynamic_bytes_per_token"] = dynamic_bytes_per_token(model, warm[0], args)
-        manager = None
-        try:
-            start = time.perf_counter()
-            manager = start_manager(model, args)
-            continuous(manager, warm, args)
-            result["setup_s"] = time.perf_counter() - start
-            result["paged_bytes_per_token"] = paged_bytes_per_token(manager.batch_processor.cache)
-        except Exception as error:  # noqa: BLE001 (a model the manager cannot serve: the other ways still run)
-            result["continuous_error"] = f"{type(error).__name__}: {error}"
+        manager = ready_manager(model, warm, args, result)
         for concurrency in args.concurrency:
-            prompts = request_prompts(args, concurrency)
-            row, tokens = {}, {}
-            for way in ways:
-                if way == "continuous" and "continuous_error" in result:
-                    row[way] = {"error": result["continuous_error"]}
-                    continue
-                serve = {"sequential": sequential, "padded": padded,
-                         "continuous": lambda m, p, a: continuous(manager, p, a)}[way]
-                sync(args.device)
-                start = time.perf_counter()
-                try:
-                    tokens[way] = serve(model, prompts, args)
-                except Exception as error:  # noqa: BLE001 (reported in its cell)
-                    row[way] = {"error": f"{type(error).__name__}: {error}"}
-                    continue
-                sync(args.device)
-                seconds = time.perf_counter() - start
-                counts = {len(t) for t in tokens[way]}
-                if counts != {args.new_tokens}:
-                    row[way] = {"error": f"requests yielded {sorted(counts)} tokens, not {args.new_tokens}"}
-                    continue
-                row[way] = {"seconds": seconds, "tokens_per_s": concurrency * args.new_tokens / seconds}
-                if name == "dat_hf":
-                    result["backend"][way] = benchmark.relational_backend(model)
-            result["concurrency"][str(concurrency)] = row  # (keys as JSON has them)
+            key = str(concurrency)  # (keys as JSON has them)
+            row, tokens, backends = serve_every_way(model, manager, request_prompts(args, concurrency), ways, args)
+            if manager is None:
+                row["continuous"] = {"error": result["continuous_error"]}
+            result["concurrency"][key] = row
+            result["backend"].update(backends)
             if "sequential" in tokens:
-                result["tokens_equal"][str(concurrency)] = {
-                    way: sum(a == b for a, b in zip(tokens[way], tokens["sequential"])) for way in tokens
-                    if way != "sequential"}
-                result["distinct_tokens"][str(concurrency)] = statistics.mean(len(set(t)) for t in tokens["sequential"])
+                result["tokens_equal"][key] = {way: sum(a == b for a, b in zip(t, tokens["sequential"]))
+                                               for way, t in tokens.items() if way != "sequential"}
+                result["distinct_tokens"][key] = statistics.mean(len(set(t)) for t in tokens["sequential"])
             progress(f"{name} repetition {repetition + 1}, {concurrency} requests: " + ", ".join(
                 f"{way} {cell['tokens_per_s']:.1f} tokens/s" if "tokens_per_s" in cell else f"{way} failed"
                 for way, cell in row.items()))

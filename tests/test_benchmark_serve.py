@@ -87,6 +87,23 @@ def test_bytes_per_token_of_both_caches_follow_the_config():
             manager.destroy()
 
 
+def test_a_model_the_manager_refuses_keeps_its_other_ways(monkeypatch):
+    """The manager's error is the continuous-batching cell's (and the summary's); the other ways still run."""
+    def refuse(model, args):
+        raise ValueError("Continuous batching cannot serve this DAT model: a reason")
+
+    monkeypatch.setattr(serve, "start_manager", refuse)
+    args = argparse.Namespace(**{**vars(serve.parser().parse_args([])), **serve.QUICK, "concurrency": [2]})
+    result = serve.measure_model("dat_hf", args)
+    error = "ValueError: Continuous batching cannot serve this DAT model: a reason"
+    assert result["concurrency"]["2"]["continuous"] == {"error": error} and result["continuous_error"] == error
+    assert result["concurrency"]["2"]["padded"]["tokens_per_s"] > 0 and result["tokens_equal"]["2"] == {"padded": 2}
+    assert "paged_bytes_per_token" not in result and result["dynamic_bytes_per_token"] > 0
+    table = serve.summarize({"dat_hf": [result]}, args)
+    assert table["concurrency"][2]["dat_hf"]["errors"] == [error]
+    assert table["concurrency"][2]["dat_hf"]["continuous"] is None and table["acceptance"]["speedup_ratio"] is None
+
+
 @pytest.mark.slow
 def test_a_worker_process_gives_what_the_run_in_process_gives():
     """The full run's path: a model measured in a worker process of its own (this checkout's dat_hf first)."""
