@@ -287,8 +287,8 @@ def decode_flop_ratio(args, concurrency) -> float:
 
 def summarize(runs, args):
     """Per-repetition worker results {model: [result, ...]} -> the table: per concurrency, each model's median
-    tokens/s per way and continuous batching's speed-up over sequential, DAT / Llama under continuous batching, the
-    FLOP model; per model, bytes per token of both caches."""
+    tokens/s per way and continuous batching's (and the padded batch's) speed-up over sequential; DAT / Llama tokens/s
+    each way and speed-up, and the FLOP model's DAT / Llama; per model, bytes per token of both caches."""
     cells = {c: {m: [r.get("concurrency", {}).get(str(c), {}) for r in runs[m]] for m in runs}
              for c in args.concurrency}
     table = {"concurrency": {}, "memory": {}}
@@ -303,9 +303,10 @@ def summarize(runs, args):
             row[model]["errors"] = sorted({cell["error"] for cell in sum(ways.values(), []) if "error" in cell})
             row[model]["tokens_equal"] = [r.get("tokens_equal", {}).get(str(c)) for r in runs[model]]
         if set(MODELS) <= set(row):
-            continuous = {m: [rep.get("continuous", {}) for rep in by_model[m]] for m in MODELS}
             row["dat_hf/llama"] = {
-                "continuous_tokens_per_s": benchmark.pair_ratios(continuous, "dat_hf", "llama", "tokens_per_s"),
+                "tokens_per_s": {way: benchmark.pair_ratios({m: [rep.get(way, {}) for rep in by_model[m]]
+                                                             for m in MODELS}, "dat_hf", "llama", "tokens_per_s")
+                                 for way in WAYS},
                 "speedup": benchmark.pair_ratios(
                     {m: [{"s": s} for s in (row[m]["speedup"] or {}).get("pairs", [])] for m in MODELS},
                     "dat_hf", "llama", "s"),
@@ -326,7 +327,7 @@ def acceptance(table, args) -> dict:
     the paged cache at most the dynamic cache's bytes per token."""
     c = min(args.concurrency, key=lambda n: abs(n - 16))
     ratios = table["concurrency"][c].get("dat_hf/llama", {})
-    speedup, tps = ratios.get("speedup"), ratios.get("continuous_tokens_per_s")
+    speedup, tps = ratios.get("speedup"), ratios.get("tokens_per_s", {}).get("continuous")
     memory = table["memory"].get("dat_hf", {})
     paged, dynamic = memory.get("paged_bytes_per_token"), memory.get("dynamic_bytes_per_token")
     return {"concurrency": c,
@@ -358,13 +359,15 @@ def report(table, args):
                       f"{cell(r['padded']):>8} {benchmark.ratio_cell(r['speedup'], True):>17} "
                       f"{benchmark.ratio_cell(r['padded_speedup'], True):>17}"
                       + "".join(f"\n         error: {e}" for e in r["errors"]))
-    print(f"\n{'requests':>8} {'DAT/Llama tokens/s (CB)':>24} {'DAT/Llama CB speed-up':>22} "
-          f"{'decode FLOPs DAT/Llama':>23}")
+    print("\nDAT / Llama: tokens/s each way (its inverse: time per token), continuous batching's speed-up, the FLOP "
+          f"model's work per decoded token\n{'requests':>8}" + "".join(f" {way:>17}" for way in WAYS)
+          + f" {'speed-up':>17} {'FLOPs':>6}")
     for c, row in table["concurrency"].items():
         ratios = row.get("dat_hf/llama", {})
-        print(f"{c:>8} {benchmark.ratio_cell(ratios.get('continuous_tokens_per_s'), True):>24} "
-              f"{benchmark.ratio_cell(ratios.get('speedup'), True):>22} "
-              f"{cell(ratios.get('decode_flop_ratio'), '.2f'):>23}")
+        print(f"{c:>8}" + "".join(f" {benchmark.ratio_cell(ratios.get('tokens_per_s', {}).get(way), True):>17}"
+                                  for way in WAYS)
+              + f" {benchmark.ratio_cell(ratios.get('speedup'), True):>17} "
+              f"{cell(ratios.get('decode_flop_ratio'), '.2f'):>6}")
     print("\ncache bytes per token (every layer): " + "; ".join(
         f"{model} paged {m['paged_bytes_per_token']}, dynamic {m['dynamic_bytes_per_token']} (manager setup "
         f"{cell(m['setup_s'], '.2f')} s)" for model, m in table["memory"].items()))

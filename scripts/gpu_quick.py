@@ -620,7 +620,7 @@ def serve_rows(serve: dict) -> list:
     rows = []
     for c, row in serve.get("concurrency", {}).items():
         ratios = row.get("dat_hf/llama", {})
-        tps, speedup = ratios.get("continuous_tokens_per_s"), ratios.get("speedup")
+        tps, speedup = ratios.get("tokens_per_s", {}).get("continuous"), ratios.get("speedup")
         rows.append(f"| serving {c} requests, continuous batching (speed-up over sequential `generate`) | "
                     f"{throughput(row.get('dat_hf', {}))} | {throughput(row.get('llama', {}))} | time per token "
                     f"{fmt(tps and 1 / tps['median'], '.2f')} (speed-up {fmt(speedup and speedup['median'], '.2f')}) | "
