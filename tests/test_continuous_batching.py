@@ -167,6 +167,14 @@ def test_unservable_configurations_are_refused_by_name(overrides, field):
     assert field in str(error.value)
 
 
+def test_encoder_decoder_is_refused_by_name():
+    from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig
+
+    model = DATForSeq2SeqLM(DATSeq2SeqConfig(vocab_size=50, hidden_size=32, encoder_layers=1, decoder_layers=1))
+    with pytest.raises(ValueError, match="DATSeq2SeqConfig is an encoder-decoder"):
+        model.generate_batch([[1, 2, 3]], generation_config=generation_config())
+
+
 def test_paged_cache_api_of_the_installed_release():
     """DAT's layers use the paged cache of Transformers 5.24 (`PagedCache`): on a release whose paged cache differs,
     continuous batching is refused naming it; on the tested releases the API is the one `PagedCache` calls."""
