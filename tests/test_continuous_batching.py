@@ -142,6 +142,19 @@ def test_relational_backends_over_paged_batches_equal_the_reference(backend):
         torch.testing.assert_close(torch.tensor(output.logprobs), torch.tensor(expected.logprobs), atol=ATOL, rtol=0)
 
 
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+def test_eager_heads_run_as_paged_eager_and_come_back():
+    """A model on `eager` runs as Transformers' `paged|eager` during continuous batching (DAT's heads read the paged
+    cache themselves) and is `eager` again after it."""
+    model = model_of()
+    model.set_attn_implementation("eager")
+    inputs = prompts()[:6]
+    outputs = generate_batch(model, inputs, generation_config())
+    assert model.config._attn_implementation == "eager"
+    for prompt, output in zip(inputs, outputs):
+        assert output.generated_tokens == greedy_alone(model, prompt)[0]
+
+
 def test_packed_cache_fits_the_paged_pages():
     """`DATConfig.num_key_value_heads` heads of `head_dim` hold a layer's packed token in two halves, with less than
     one pair of heads of padding: the widths the layers cache (`PackedCache`)."""
