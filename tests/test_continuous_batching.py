@@ -143,6 +143,26 @@ def test_relational_backends_over_paged_batches_equal_the_reference(backend):
 
 
 @pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+def test_prefix_sharing_reuses_the_pages_of_a_common_prefix(monkeypatch):
+    """Prompts with a common 40-token prefix: the later requests take the first two 16-token pages of the earlier
+    one's cache (the manager's prefix sharing) instead of recomputing them, and still give `generate`'s tokens."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    shared = []
+    search = PagedAttentionCache.search_prefix_match
+    monkeypatch.setattr(PagedAttentionCache, "search_prefix_match",
+                        lambda self, *args: shared.append(search(self, *args)) or shared[-1])
+    model = model_of()
+    generator = torch.Generator().manual_seed(2)
+    prefix = torch.randint(1, 97, (40,), generator=generator).tolist()
+    inputs = [prefix + torch.randint(1, 97, (n,), generator=generator).tolist() for n in (1, 3, 7, 12, 20, 2)]
+    outputs = generate_batch(model, inputs, generation_config())
+    assert shared.count(32) == 5  # (every request but the first)
+    for prompt, output in zip(inputs, outputs):
+        assert output.generated_tokens == greedy_alone(model, prompt)[0]
+
+
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
 def test_eager_heads_run_as_paged_eager_and_come_back():
     """A model on `eager` runs as Transformers' `paged|eager` during continuous batching (DAT's heads read the paged
     cache themselves) and is `eager` again after it."""
