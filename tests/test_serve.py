@@ -207,6 +207,10 @@ def test_bad_requests_get_400_and_the_server_serves_on(server, served):
         assert refused.value.status_code == 400
         assert f"`max_position_embeddings` = {limit}" in refused.value.body["detail"], refused.value.body
     with pytest.raises(openai.BadRequestError) as refused:
+        server.client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": too_long}],
+                                              max_tokens=NEW_TOKENS)
+    assert f"`max_position_embeddings` = {limit}" in refused.value.body["detail"], refused.value.body
+    with pytest.raises(openai.BadRequestError) as refused:
         complete(server, PROMPTS[0], model="no-such-model")
     assert "no-such-model" in refused.value.body["detail"], refused.value.body
     assert complete(server, PROMPTS[1]) == (served["completions"][PROMPTS[1]], "length")
