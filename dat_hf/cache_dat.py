@@ -190,7 +190,7 @@ class PagedCache:
     """One continuous-batching forward over Transformers' `PagedAttentionCache`, for DAT's layers: the batch is one
     packed row of M new tokens from many requests (`position_ids` `[1, M]`, their positions in their requests), and
     `update` hands back, request after request, every token each request's receivers may read (its cached tokens,
-    oldest first, then its new ones: N in all; a sliding-window layer's last window only).
+    oldest first, then its new ones: N in all; a sliding-window layer's last window only): `update_packed`.
 
     The paged cache holds, per token and layer, `num_key_value_heads` heads of `head_dim` for keys and as many for
     values (`DATConfig.num_key_value_heads`): DAT's packed token (`PackedCache`: keys of both head types | sensory
@@ -204,20 +204,31 @@ class PagedCache:
         self.heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self._relative_index = {}
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """keys `[1, h_k, M, d_h]`, values `[1, 1, M, w]` (`PackedCache.pack`) -> keys `[1, h_k, N, d_h]`, values
-        `[1, 1, N, w]`."""
+    def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
+        """A layer's new tokens: keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` in `packed`'s order (a
+        `PackedCache`) -> `packed.views` of every token the receivers may read (N): keys per head type `[1, h_kv, N,
+        d_h]`, and values. Read back, a part of the token lying in one half is a view; only the part across the
+        halves is copied."""
         _, key_heads, m, d = keys.shape
-        width = values.shape[-1]
-        tokens = torch.cat((keys.transpose(1, 2).reshape(m, key_heads * d), values[0, 0]), dim=-1)  # [M, W]
-        tokens = nn.functional.pad(tokens, (0, 2 * self.heads * d - tokens.shape[-1])).view(m, 2, self.heads, d)
+        parts = [keys.transpose(1, 2).reshape(m, key_heads * d)] + [value[0] for value in values]
+        tokens = torch.cat(parts, dim=-1)  # [M, W]
+        half = self.heads * d
+        tokens = nn.functional.pad(tokens, (0, 2 * half - tokens.shape[-1])).view(m, 2, self.heads, d)
         # (the paged cache takes `[1, heads, M, d]` and moves it back to `[M, heads, d]`: views, no copy)
-        halves = [tokens[:, i].transpose(0, 1)[None] for i in (0, 1)]
-        read = self.cache.update(*halves, layer_idx, dict(self.arguments))  # (it rewrites its kwargs' entries)
+        read = self.cache.update(*(tokens[:, i].transpose(0, 1)[None] for i in (0, 1)), layer_idx,
+                                 dict(self.arguments))  # (it rewrites its kwargs' entries: a copy per layer)
         n = read[0].shape[2]
-        tokens = torch.stack([half[0].transpose(0, 1) for half in read], dim=1).reshape(n, -1)
-        return (tokens[:, :key_heads * d].view(n, key_heads, d).transpose(0, 1)[None],
-                tokens[:, key_heads * d:key_heads * d + width][None, None])
+        halves = [part[0].transpose(0, 1).reshape(n, half) for part in read]
+        pieces, start = [], 0
+        for part in parts:
+            end = start + part.shape[-1]
+            if end <= half or start >= half:
+                offset = 0 if end <= half else half
+                pieces.append(halves[start >= half][:, start - offset:end - offset])
+            else:
+                pieces.append(torch.cat((halves[0][:, start:], halves[1][:, :end - half]), dim=-1))
+            start = end
+        return packed.views(pieces[0].view(n, key_heads, d).transpose(0, 1)[None], [p[None] for p in pieces[1:]])
 
     def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:
         """Rows of the position-relative symbol table for every (receiver, key) pair of a layer's update: long `[M,

@@ -360,7 +360,9 @@ class DualAttention(nn.Module):
             else:
                 values.append(relational.symbol_proj(symbols).expand(b, n, -1))
             values.append(parts[-1])
-        if cache is not None:
+        if isinstance(cache, PagedCache):  # (continuous batching)
+            keys, values = cache.update_packed(self.packed, key_cache, values, self.layer_idx)
+        elif cache is not None:
             keys, values = self.packed.unpack(*cache.update(*self.packed.pack([key_cache], values), self.layer_idx))
         else:
             keys, values = self.packed.views(key_cache, values)

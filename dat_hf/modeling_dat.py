@@ -210,7 +210,10 @@ def paged_arguments(cache, kwargs: dict) -> dict | None:
 def check_continuous_batching(config) -> None:
     """Refuse, naming every reason, what continuous batching cannot serve: the config's fields
     (`DATConfig.continuous_batching_limits`) and a Transformers release whose paged cache differs."""
-    limits = config.continuous_batching_limits()
+    if config.is_encoder_decoder:
+        limits = [f"{type(config).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"]
+    else:
+        limits = config.continuous_batching_limits()
     if (release := paged_cache_limits()) is not None:
         limits.append(release)
     if limits:

@@ -142,6 +142,39 @@ def test_relational_backends_over_paged_batches_equal_the_reference(backend):
         torch.testing.assert_close(torch.tensor(output.logprobs), torch.tensor(expected.logprobs), atol=ATOL, rtol=0)
 
 
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+def test_prefix_sharing_reuses_the_pages_of_a_common_prefix(monkeypatch):
+    """Prompts with a common 40-token prefix: the later requests take the first two 16-token pages of the earlier
+    one's cache (the manager's prefix sharing) instead of recomputing them, and still give `generate`'s tokens."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    shared = []
+    search = PagedAttentionCache.search_prefix_match
+    monkeypatch.setattr(PagedAttentionCache, "search_prefix_match",
+                        lambda self, *args: shared.append(search(self, *args)) or shared[-1])
+    model = model_of()
+    generator = torch.Generator().manual_seed(2)
+    prefix = torch.randint(1, 97, (40,), generator=generator).tolist()
+    inputs = [prefix + torch.randint(1, 97, (n,), generator=generator).tolist() for n in (1, 3, 7, 12, 20, 2)]
+    outputs = generate_batch(model, inputs, generation_config())
+    assert shared.count(32) >= 3 and max(shared) == 32  # (requests scheduled after the first one's pages filled)
+    for prompt, output in zip(inputs, outputs):
+        assert output.generated_tokens == greedy_alone(model, prompt)[0]
+
+
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+def test_eager_heads_run_as_paged_eager_and_come_back():
+    """A model on `eager` runs as Transformers' `paged|eager` during continuous batching (DAT's heads read the paged
+    cache themselves) and is `eager` again after it."""
+    model = model_of()
+    model.set_attn_implementation("eager")
+    inputs = prompts()[:6]
+    outputs = generate_batch(model, inputs, generation_config())
+    assert model.config._attn_implementation == "eager"
+    for prompt, output in zip(inputs, outputs):
+        assert output.generated_tokens == greedy_alone(model, prompt)[0]
+
+
 def test_packed_cache_fits_the_paged_pages():
     """`DATConfig.num_key_value_heads` heads of `head_dim` hold a layer's packed token in two halves, with less than
     one pair of heads of padding: the widths the layers cache (`PackedCache`)."""
@@ -165,6 +198,14 @@ def test_unservable_configurations_are_refused_by_name(overrides, field):
     with pytest.raises(ValueError, match="Continuous batching cannot serve this DAT model") as error:
         model.init_continuous_batching(generation_config=generation_config())
     assert field in str(error.value)
+
+
+def test_encoder_decoder_is_refused_by_name():
+    from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig
+
+    model = DATForSeq2SeqLM(DATSeq2SeqConfig(vocab_size=50, hidden_size=32, encoder_layers=1, decoder_layers=1))
+    with pytest.raises(ValueError, match="DATSeq2SeqConfig is an encoder-decoder"):
+        model.generate_batch([[1, 2, 3]], generation_config=generation_config())
 
 
 def test_paged_cache_api_of_the_installed_release():
