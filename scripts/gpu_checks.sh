@@ -9,7 +9,8 @@
 #            TF32, the backend each head type selects), kernel (the Triton kernel's values and gradients in bf16, fp32,
 #            fp16 vs float64), train (343M shapes at 8 layers, bf16, vs Llama, 2048 and 4096 tokens), decode (343M,
 #            ms/token after 1k tokens vs Llama), backends (the train step with relational heads on flex_attention and
-#            on sdpa). `GPU_CHECKS_DRY_RUN=1` runs it on CPU (Triton's interpreter, tiny shapes): the suite does.
+#            on sdpa), serve (scripts/benchmark_serve.py: 16 requests, continuous batching vs sequential and padded
+#            generate, DAT vs Llama, bf16). `GPU_CHECKS_DRY_RUN=1` runs it on CPU (Triton's interpreter, tiny shapes): the suite does.
 #   env      GPU, driver and package versions; dat_hf imports and picks the triton backend on CUDA
 #   kernel   the Triton kernel's checks on CUDA tensors (tests/triton_kernel_checks.py, compiled kernels)
 #   fsdp     FSDP2 by hand on CUDA, 2 processes (tests/test_fsdp.py::test_save_pretrained_of_a_model_sharded_by_hand)
@@ -75,7 +76,7 @@ stage() {
 
 # the quick stage's sub-steps and their time budgets in seconds (455 in all; e.g. GPU_CHECKS_QUICK_BUDGETS="env:60
 # kernel:150" to change some), in the order they run
-QUICK_BUDGETS=(env:30 kernel:140 train:100 decode:60 backends:110 report:15)
+QUICK_BUDGETS=(env:30 kernel:125 train:100 decode:60 backends:95 serve:40 report:5)
 for budget in ${GPU_CHECKS_QUICK_BUDGETS:-}; do
     QUICK_BUDGETS=("${QUICK_BUDGETS[@]/#${budget%%:*}:*/$budget}")
 done

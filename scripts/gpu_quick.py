@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU quick stage (`bash scripts/gpu_checks.sh quick`): one command of at most 8 minutes on one H100/H200.
 
-    python3 scripts/gpu_quick.py STEP --out DIR      STEP: env, kernel, train, decode, backends, report (in that order)
+    python3 scripts/gpu_quick.py STEP --out DIR      STEP: env, kernel, train, decode, backends, serve, report
 
 Each step adds its figures to DIR/quick.json as it goes (a step stopped at its time budget keeps what it measured);
 `report` adds the ratios against the GPU targets and writes DIR/quick.md, the table for docs/performance.md.
@@ -16,7 +16,9 @@ Each step adds its figures to DIR/quick.json as it goes (a step stopped at its t
   autocast, SDPA's math fallback forbidden (on CUDA), relational heads on the automatic backend;
 - decode: `scripts/benchmark.py`'s greedy decoding after a 1k prompt, dynamic cache, DAT-343M vs Llama (bf16), and
   whether the cache held every token (a model that ignores its cache still decodes, wrongly and fast);
-- backends: the train step with the relational heads on `flex_attention` (every head on FlexAttention) and on `sdpa`.
+- backends: the train step with the relational heads on `flex_attention` (every head on FlexAttention) and on `sdpa`;
+- serve: `scripts/benchmark_serve.py`'s serving throughput at 16 requests (bf16, one process for both models):
+  continuous batching vs sequential and padded `generate`, DAT vs Llama, and the bytes per token of both caches.
 
 With `GPU_CHECKS_DRY_RUN=1` (CPU, Triton's interpreter, tiny shapes) every step runs the same code on CPU: the suite's
 dry run (`tests/test_gpu_quick.py`). Progress lines go to stdout, prefixed `[quick STEP]`.
@@ -34,7 +36,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DRY_RUN = os.environ.get("GPU_CHECKS_DRY_RUN", "0") == "1"
-STEPS = ("env", "kernel", "train", "decode", "backends")
+STEPS = ("env", "kernel", "train", "decode", "backends", "serve")
 # the targets of the GPU issue: dat_hf / Llama of the same width at most these
 TARGETS = {"train_time": 1.25, "train_peak_memory": 1.1, "decode_ms_per_token": 1.3}
 PACKAGES = ("torch", "triton", "transformers", "accelerate", "tokenizers", "safetensors", "huggingface_hub", "numpy",
@@ -48,6 +50,10 @@ SETTINGS = {
         train=dict(layers=8, batch=4, seqs=[2048, 4096], steps=3),  # DAT-343M shapes, 8 of its 24 layers
         decode=dict(layers=None, prompt=1024, new_tokens=64),  # the whole 24 layers
         backends=dict(seqs=[2048, 4096]),
+        # 16 requests of 8-96 tokens, 32 new tokens each, a model of DAT-343M's width at 4 layers
+        serve=dict(concurrency=[16], new_tokens=32, shapes=["--hidden", "1024", "--layers", "4", "--sensory-heads",
+                                                            "8", "--relational-heads", "8", "--ffn", "4096",
+                                                            "--vocab", "32000"]),
         kernel=[  # (case, inputs of `make_inputs`, options of `run_op`, senders per split or None)
             ("343m-causal", dict(b=2, q_len=512, kv_len=512, **HEADS_343M), dict(causal=True), None),
             ("343m-decoding-split-senders", dict(b=1, q_len=1, kv_len=2048, **HEADS_343M), dict(causal=True), None),
@@ -62,6 +68,10 @@ SETTINGS = {
         train=dict(layers=1, batch=1, seqs=[32], steps=1),
         decode=dict(layers=1, prompt=12, new_tokens=3),
         backends=dict(seqs=[32]),
+        serve=dict(concurrency=[4], new_tokens=4, shapes=["--hidden", "64", "--layers", "1", "--sensory-heads", "2",
+                                                          "--relational-heads", "2", "--ffn", "128", "--vocab", "256",
+                                                          "--prompt-lengths", "4", "12", "--page-size", "16",
+                                                          "--max-batch-tokens", "64"]),
         kernel=[
             ("343m-causal", dict(b=1, h=4, h_kv=2, q_len=20, kv_len=20, d=16, R=2, d_r=16), dict(causal=True), None),
             ("343m-decoding-split-senders", dict(b=1, h=4, h_kv=2, q_len=1, kv_len=70, d=16, R=2, d_r=16),
@@ -432,6 +442,30 @@ def step_backends(out: Path) -> None:
     return status
 
 
+def serve_argv(s) -> list:
+    v = s["serve"]
+    return ["--device", s["device"], "--dtype", "bf16", "--threads", str(s["threads"]), "--in-process", "--repeats",
+            "1", "--concurrency", *map(str, v["concurrency"]), "--new-tokens", str(v["new_tokens"]), *v["shapes"]]
+
+
+def step_serve(out: Path) -> None:
+    """`scripts/benchmark_serve.py` in this process, one model after the other (each one's figures saved as they
+    come): the table of its summary under "serve"."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import benchmark_serve
+
+    s = settings()
+    args = benchmark_serve.parser().parse_args(serve_argv(s))
+    section, runs = {"argv": serve_argv(s)}, {}
+    for model in args.models:
+        runs[model] = [benchmark_serve.measure_model(model, args)]
+        section["results"] = benchmark_serve.summarize(runs, args)
+        update(out, "serve", section)
+        progress("serve", f"{model}: " + json.dumps(runs[model][0]["concurrency"]))
+    errors = [e for row in section["results"]["concurrency"].values() for m in args.models for e in row[m]["errors"]]
+    return 1 if errors else 0
+
+
 # ---- report ----------------------------------------------------------------------------------------------------------
 def ratio(a, b):
     return a / b if a and b else None
@@ -484,6 +518,7 @@ def summarize(report: dict) -> dict:
             "flop_ratio": flops.get(f"train {seq}", {}).get(backend), "error": dat.get("error"),
             "skipped": dat.get("skipped"),
         }
+    summary["serve"] = report.get("serve", {}).get("results", {}).get("acceptance")
     cases = report.get("kernel", {}).get("cases", [])
     summary["kernel"] = {"cases": len(cases), "ok": sum(c.get("ok") is True for c in cases),
                          "failed": [f"{c['dtype']} {c['case']}" for c in cases if c.get("ok") is False],
@@ -546,6 +581,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| train step, {seq} tokens, relational heads on `{backend}`{every} | {shown} | "
                      f"{fmt(llama.get('time_s'), '.3f', ' s')} | {fmt(sm.get('time_ratio'), '.2f')} "
                      f"(memory {fmt(sm.get('peak_ratio'), '.2f')}) | | {fmt(sm.get('flop_ratio'), '.2f')} |")
+    lines += serve_rows(report.get("serve", {}).get("results", {}))
     lines += ["", "Triton kernel vs the float64 reference (inputs rounded to the dtype; worst of the values and the "
               "five input gradients, as a fraction of the reference's largest entry; tolerance "
               + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()) + "; float32 dots: "
@@ -571,6 +607,33 @@ def markdown(report: dict) -> str:
         f"{name} {st.get('budget_s')} s / {st.get('seconds')} s / rc {st.get('rc')}"
         + (" (stopped at its budget)" if st.get("rc") == 124 else "") for name, st in steps.items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def serve_rows(serve: dict) -> list:
+    """The serve step's rows: continuous batching's tokens/s and speed-up over sequential `generate` per model, DAT's
+    time per token over Llama's; the bytes per token of the paged and the dynamic cache."""
+    def throughput(r):
+        if r.get("continuous") is None:
+            return f"failed: {'; '.join(r.get('errors', []))[:150] or 'not run'}"
+        return f"{r['continuous']:.0f} tokens/s ({fmt((r.get('speedup') or {}).get('median'), '.2f')}x sequential)"
+
+    rows = []
+    for c, row in serve.get("concurrency", {}).items():
+        ratios = row.get("dat_hf/llama", {})
+        tps, speedup = ratios.get("tokens_per_s", {}).get("continuous"), ratios.get("speedup")
+        rows.append(f"| serving {c} requests, continuous batching (speed-up over sequential `generate`) | "
+                    f"{throughput(row.get('dat_hf', {}))} | {throughput(row.get('llama', {}))} | time per token "
+                    f"{fmt(tps and 1 / tps['median'], '.2f')} (speed-up {fmt(speedup and speedup['median'], '.2f')}) | "
+                    f"speed-up >= 0.8x Llama's, time <= FLOP model | {fmt(ratios.get('decode_flop_ratio'), '.2f')} |")
+    memory = serve.get("memory", {})
+    if memory:
+        dat, llama = memory.get("dat_hf", {}), memory.get("llama", {})
+        cells = [f"{fmt(m.get('paged_bytes_per_token'), 'd')} / {fmt(m.get('dynamic_bytes_per_token'), 'd')}"
+                 for m in (dat, llama)]
+        rows.append(f"| cache bytes per token, paged / dynamic | {cells[0]} | {cells[1]} | "
+                    f"{fmt(ratio(dat.get('paged_bytes_per_token'), llama.get('paged_bytes_per_token')), '.2f')} | "
+                    "paged <= dynamic | |")
+    return rows
 
 
 def step_report(out: Path) -> None:
@@ -602,7 +665,7 @@ def main(argv=None):
     if args.step == "mark":
         return step_mark(args.out, args.name, args.rc, args.seconds, args.budget)
     return {"env": step_env, "kernel": step_kernel, "train": step_train, "decode": step_decode,
-            "backends": step_backends, "report": step_report}[args.step](args.out)
+            "backends": step_backends, "serve": step_serve, "report": step_report}[args.step](args.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
   quick.json with every step's figures, quick.md with the table for docs/performance.md, and its log; it installs
   a carried wheel only for a package the machine lacks (a made-up one), not for one it has (pytest);
 - the GPU settings: every benchmark command line the GPU run builds parses, the sizes are the issue's (2048 and 4096
-  tokens, a 1k prompt), the decoding case splits its senders on an H100, and the sub-steps' budgets fit 8 minutes.
+  tokens, a 1k prompt, 16 requests served at once), the decoding case splits its senders on an H100, and the
+  sub-steps' budgets fit 8 minutes.
 """
 
 import json
@@ -104,12 +105,24 @@ def test_the_dry_run_writes_every_figure_and_the_table(tmp_path):
         assert "no backward on CPU" in backends[f"flex_attention {seq}"]["dat_hf"]["skipped"]
         assert "--relational-backend" in report["backends"]["argv"][f"flex_attention {seq}"]
 
+    serve = report["serve"]["results"]
+    requests = s["serve"]["concurrency"][0]
+    for model in ("dat_hf", "llama"):
+        row = serve["concurrency"][str(requests)][model]
+        assert row["errors"] == [] and row["continuous"] > 0 and row["sequential"] > 0, row
+        memory = serve["memory"][model]
+        assert 0 < memory["paged_bytes_per_token"] <= memory["dynamic_bytes_per_token"], memory
+    assert report["summary"]["serve"]["concurrency"] == requests
+    assert report["summary"]["serve"]["paged_bytes_ok"] is True
+
     table = (out / "quick.md").read_text()
     assert table.startswith("### GPU quick stage: DRY RUN on CPU")
     assert "| measurement | dat_hf | Llama | dat_hf / Llama | target | FLOP model |" in table
     for row in (f"| train step, {s['train']['seqs'][0]} tokens (relational: sdpa) |",
                 f"| peak memory, {s['train']['seqs'][0]} tokens |", f"| decoding after {prompt} tokens, ms/token",
-                f"relational heads on `sdpa` |", "| 343m-causal | ", "Each autotuning config", "Backends selected on cpu"):
+                f"relational heads on `sdpa` |", "| 343m-causal | ", "Each autotuning config",
+                "Backends selected on cpu", f"| serving {requests} requests, continuous batching",
+                "| cache bytes per token, paged / dynamic |"):
         assert row in table, row
     assert "None" not in table and "nan" not in table
 
@@ -135,6 +148,11 @@ def test_the_gpu_command_lines_parse_and_have_the_issues_sizes(gpu):
         args = benchmark.parser().parse_args(gpu_quick.train_argv(gpu, "--relational-backend", backend, "--attn",
                                                                   backend))
         assert args.relational_backend == backend and args.attn == backend
+    import benchmark_serve
+
+    serve = benchmark_serve.parser().parse_args(gpu_quick.serve_argv(gpu))
+    assert (serve.device, serve.dtype, serve.concurrency, serve.in_process) == ("cuda", "bf16", [16], True)
+    assert serve.hidden % (serve.sensory_heads + serve.relational_heads) == 0 and serve.repeats == 1
 
 
 def test_the_gpu_kernel_cases(gpu, monkeypatch):
