@@ -186,8 +186,12 @@ class PlannedRelational(PlannedAttention):
     """Relational heads: a registered relational backend, and what it takes to replace it if its kernel fails."""
 
     def __init__(self, source: AttentionMask, call: RelationalCall, requested: str | None,
-                 attn_implementation: str | None):
+                 attn_implementation: str | None, per_request: bool = False):
         self.call, self.requested, self.attn_implementation = call, requested, attn_implementation
+        # continuous batching's decoding steps: the q receivers of the packed row are each one request's new token;
+        # they attend as q rows of one receiver over the same keys (views, `source` in that form), so that a
+        # one-receiver backend (the CPU kernel's decoding op) reads each request's senders only
+        self.per_request = per_request
         name = select_relational_attention(call, requested, attn_implementation)
         backend = RELATIONAL_ATTENTION_FUNCTIONS[name]
         # receiver blocks: not for weights or per-pair symbol rows (the mask format decides the rest)
@@ -211,6 +215,14 @@ class PlannedRelational(PlannedAttention):
 
     def _attend(self, query, key, symbol_values, relation_queries, relation_keys, relation_proj, spec, dropout,
                 symbols_at):
+        if self.per_request:  # [1, h, q, d_h] -> [q, h, 1, d_h] over the keys of the row (expanded views)
+            rows = query.shape[2]
+            query, relation_queries = query.transpose(0, 2), relation_queries.transpose(0, 1)
+            key, symbol_values, relation_keys = (t.expand(rows, *t.shape[1:])
+                                                 for t in (key, symbol_values, relation_keys))
+            messages, _, _ = self.function(query, key, symbol_values, relation_queries, relation_keys,
+                                           relation_proj, self.mask, spec, dropout)
+            return self._zero_isolated(messages).transpose(0, 1)
         if self.blocks is not None:
             def attend_block(mask, receivers, senders):
                 (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
@@ -235,7 +247,7 @@ class PlannedRelational(PlannedAttention):
         if self.requested is not None or failed == "eager" or (failed, device) in RELATIONAL_ATTENTION_FUNCTIONS.unavailable:
             raise error
         RELATIONAL_ATTENTION_FUNCTIONS.unavailable[(failed, device)] = str(error)
-        self.__init__(self.source, self.call, self.requested, self.attn_implementation)
+        self.__init__(self.source, self.call, self.requested, self.attn_implementation, self.per_request)
         warnings.warn(f"dat_hf: the {failed!r} relational attention backend is not used on {device} from now on in "
                       f"this process; {self.name!r} runs instead. {error}", RuntimeWarning, stacklevel=3)
 
@@ -249,10 +261,12 @@ class AttentionPlan(NamedTuple):
     @classmethod
     def build(cls, masks: dict, config, query_like: torch.Tensor, output_attentions: bool = False,
               requires_grad: bool = False, training: bool = False, sensory_biases=None, relational_biases=None,
-              relative_symbols: bool | None = None) -> "AttentionPlan":
+              relative_symbols: bool | None = None, per_request: bool = False) -> "AttentionPlan":
         """The plan over `masks` (`{bias: AttentionMask}`), for the biases each head type uses (default: all of
         them), with the implementations `config` asks for. `query_like`: a tensor of the forward's device and dtype,
-        with `q` receivers in dim 1; `requires_grad`: gradients will flow through the attention."""
+        with `q` receivers in dim 1; `requires_grad`: gradients will flow through the attention; `per_request`: the
+        receivers of one row are each one request's new token (continuous batching's decoding steps), the
+        relational heads attend one receiver per row (`PlannedRelational`)."""
         sensory_biases = masks if sensory_biases is None else sensory_biases
         relational_biases = masks if relational_biases is None else relational_biases
         dropout = config.attention_dropout if training else 0.0
@@ -272,9 +286,11 @@ class AttentionPlan(NamedTuple):
         requested = getattr(config, "relational_attn_implementation", None)
         relational = {}
         for bias in dict.fromkeys(relational_biases):
-            call = RelationalCall.of_forward(query_like, query_like.shape[1], requires_grad, output_attentions,
-                                             config.relation_activation, relative_symbols, dropout, masks[bias])
-            relational[bias] = PlannedRelational(masks[bias], call, requested, implementation)
+            mask = masks[bias].rows_as_batch() if per_request else masks[bias]
+            call = RelationalCall.of_forward(query_like, 1 if per_request else query_like.shape[1], requires_grad,
+                                             output_attentions, config.relation_activation, relative_symbols, dropout,
+                                             mask)
+            relational[bias] = PlannedRelational(mask, call, requested, implementation, per_request)
         return cls(sensory, relational)
 
 

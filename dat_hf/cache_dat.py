@@ -202,6 +202,9 @@ class PagedCache:
         self.cache, self.arguments = cache, arguments
         self.position_ids = position_ids.reshape(-1)  # [M]
         self.heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        # a batch of decoding steps (one new token per request): the relational heads attend one receiver per row
+        # (`AttentionPlan.build`'s `per_request`), except over position-relative symbols (rows per pair, `eager`)
+        self.decoding = arguments.get("max_length_q") == 1 and config.symbol_retrieval != "position_relative"
         self._relative_index = {}
 
     def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):

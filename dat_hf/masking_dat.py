@@ -110,6 +110,12 @@ class AttentionMask:
         block_mask = None if self.block_mask is None else self.block_mask.to(device)  # (it takes no non_blocking)
         return AttentionMask(mask, row_valid, self.is_causal, block_mask, self.receiver_blocks, window)
 
+    def rows_as_batch(self) -> "AttentionMask":
+        """A mask `[1, 1, q, kv]` of one row's q receivers -> that of q rows of one receiver each, `[q, 1, 1, kv]`
+        (views), for receivers that attend one by one over the same keys (`PlannedRelational`'s `per_request`)."""
+        row_valid = None if self.row_valid is None else self.row_valid.transpose(0, 2)
+        return AttentionMask(self.mask.transpose(0, 2), row_valid, False)
+
     def _from_window(self, q0: int, q1: int, kv0: int, kv1: int) -> torch.Tensor:
         """The sliding window's bool mask of receivers [q0, q1) over senders [kv0, kv1), isolated receivers open."""
         row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]

@@ -195,7 +195,8 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
                             causal=causal)
     plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds),
                                model.training, [sensory for sensory, _ in layer_biases],
-                               [relational for _, relational in layer_biases])
+                               [relational for _, relational in layer_biases],
+                               per_request=isinstance(cache, PagedCache) and cache.decoding)
     return layer_biases, plan
 
 

@@ -175,6 +175,25 @@ def test_eager_heads_run_as_paged_eager_and_come_back():
         assert output.generated_tokens == greedy_alone(model, prompt)[0]
 
 
+@pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
+def test_decoding_steps_attend_one_receiver_per_request(monkeypatch):
+    """A batch of decoding steps (one new token per request) runs the relational heads as one-receiver rows over the
+    packed keys: the CPU kernel's decoding op, which reads each request's senders only (prefills: the packed op)."""
+    assert kernel.load_cpu_kernel(), f"the CPU kernel did not build: {cpu_build._STATE['error']}"
+    calls = {"decode": 0, "packed": 0}
+    for name, op in (("decode", "relational_decode_op"), ("packed", "relational_attention_op")):
+        original = getattr(kernel, op)
+        monkeypatch.setattr(kernel, op, lambda *args, _f=original, _n=name, **kw: calls.update({_n: calls[_n] + 1})
+                            or _f(*args, **kw))
+    model = model_of()
+    inputs = prompts()[:4]
+    outputs = generate_batch(model, inputs, generation_config(), max_batch_tokens=256)
+    layers = model.config.num_hidden_layers
+    assert calls == {"decode": layers * (NEW_TOKENS - 1), "packed": layers}  # (one prefill step for all four)
+    for prompt, output in zip(inputs, outputs):
+        assert output.generated_tokens == greedy_alone(model, prompt)[0]
+
+
 def test_packed_cache_fits_the_paged_pages():
     """`DATConfig.num_key_value_heads` heads of `head_dim` hold a layer's packed token in two halves, with less than
     one pair of heads of padding: the widths the layers cache (`PackedCache`)."""
