@@ -345,8 +345,15 @@ class DualAttentionConfig(PreTrainedConfig):
 
     def continuous_batching_limits(self) -> list[str]:
         """Why Transformers' continuous batching (packed batches over a paged cache, one mask per cache layer type:
-        causal or sliding window) cannot serve this configuration: one line per field that stops it; empty when it
-        can."""
+        causal or sliding window) cannot serve this configuration: one line per field that stops it (and for an
+        installed Transformers whose paged cache is not the one DAT's layers use); empty when it can. The one list
+        of what it refuses (`generate_batch` raises it; `python -m dat_hf.serve` serves such models by `generate`)."""
+        from .transformers_compat import paged_cache_limits
+
+        release = paged_cache_limits()
+        if self.is_encoder_decoder:
+            return [f"{type(self).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"
+                    ] + ([release] if release else [])
         limits = []
         for name, bias in (("relational_bias", self.relational_bias), ("relational_heads_bias",
                                                                         self.relational_heads_bias)):
@@ -360,7 +367,7 @@ class DualAttentionConfig(PreTrainedConfig):
         if self.relational_attn_implementation == "flex_attention":
             limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "
                           "tensors; leave it unset or use 'sdpa'/'eager')")
-        return limits
+        return limits + ([release] if release else [])
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_dual_attention(self):

@@ -50,8 +50,7 @@ from .input_validation import (
 from .attention_plan import AttentionPlan, gradients_flow
 from .masking_dat import build_masks, paged_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
-from .transformers_compat import (CACHE_NAMES, cache_kwargs, output_cache, paged_cache_limits, slice_logits_to_keep,
-                                  takes_cache)
+from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
 
 # What DAT outputs add to Transformers' outputs, in the format `auto_docstring` reads
@@ -209,14 +208,9 @@ def paged_arguments(cache, kwargs: dict) -> dict | None:
 
 
 def check_continuous_batching(config) -> None:
-    """Refuse, naming every reason, what continuous batching cannot serve: the config's fields
-    (`DATConfig.continuous_batching_limits`) and a Transformers release whose paged cache differs."""
-    if config.is_encoder_decoder:
-        limits = [f"{type(config).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"]
-    else:
-        limits = config.continuous_batching_limits()
-    if (release := paged_cache_limits()) is not None:
-        limits.append(release)
+    """Refuse, naming every reason, what continuous batching cannot serve (`DATConfig.continuous_batching_limits`:
+    the config's fields, an encoder-decoder, a Transformers release whose paged cache differs)."""
+    limits = config.continuous_batching_limits()
     if limits:
         raise ValueError("Continuous batching cannot serve this DAT model: " + "; ".join(limits) + ". Batch the "
                          "prompts with padding and call `generate` instead.")
