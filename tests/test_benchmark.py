@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,7 @@ def test_benchmark_train_smoke(tmp_path):
     assert (tmp_path / "train_scaling.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # (50-80 s each on 2 cores: the default suite's budget)
 def test_a_presets_shapes_with_the_reference(tmp_path):
     """`--preset` beside the reference: the authors' model gets the preset's shapes (GQA, symbols, FFN width) and
     dat_hf its converted weights, in process (equal logits) and in the workers (equal parameter counts)."""
@@ -75,6 +77,7 @@ def test_benchmark_heap_only_malloc_reaches_the_workers(tmp_path):
     assert run["malloc_env"] == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 
 
+@pytest.mark.slow  # (50-80 s each on 2 cores: the default suite's budget)
 def test_several_named_baselines_each_get_their_ratios(tmp_path):
     """`--baseline NAME=DIR`, repeated: each checkout runs as NAME after the listed implementations, with its own
     ratios to every other one; its workers import dat_hf from DIR, `dat_hf`'s from this checkout."""
@@ -144,6 +147,7 @@ def test_decode_flop_model_counts_the_senders_of_a_step():
     assert benchmark.decode_flop_ratio(args, 4096) < 1 < short
 
 
+@pytest.mark.slow  # (50-80 s each on 2 cores: the default suite's budget)
 def test_benchmark_compiled_generate_options_smoke(tmp_path):
     """`generate --compile` with inductor options (the C++ wrapper) and unguarded compiled steps runs end to end for
     both models, also with SDPA restricted to fused kernels (as on CUDA: one graph under `sdpa_kernel`), and reports
@@ -171,6 +175,7 @@ def test_compile_options_parse_literals():
     assert compile_options(None) == {}
 
 
+@pytest.mark.slow  # (50-80 s each on 2 cores: the default suite's budget)
 def test_benchmark_bf16_options_smoke(tmp_path):
     """`--dtype bf16` (autocast in training, bf16 weights in generation) with SDPA's math fallback forbidden (the
     default on CUDA) runs end to end; on this CPU machine it stands in for the `--device cuda --dtype bf16` run made on
