@@ -15,7 +15,6 @@ their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decodi
 from functools import partial
 
 import torch
-from torch import nn
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
                                       StaticCache, StaticLayer, StaticSlidingWindowLayer)
 
@@ -214,9 +213,10 @@ class PagedCache:
         halves is copied."""
         _, key_heads, m, d = keys.shape
         parts = [keys.transpose(1, 2).reshape(m, key_heads * d)] + [value[0] for value in values]
-        tokens = torch.cat(parts, dim=-1)  # [M, W]
         half = self.heads * d
-        tokens = nn.functional.pad(tokens, (0, 2 * half - tokens.shape[-1])).view(m, 2, self.heads, d)
+        padding = 2 * half - sum(part.shape[-1] for part in parts)
+        # the packed token and its zero padding, [M, 2 * half], in one copy
+        tokens = torch.cat(parts + ([keys.new_zeros(m, padding)] if padding else []), dim=-1).view(m, 2, self.heads, d)
         # (the paged cache takes `[1, heads, M, d]` and moves it back to `[M, heads, d]`: views, no copy)
         read = self.cache.update(*(tokens[:, i].transpose(0, 1)[None] for i in (0, 1)), layer_idx,
                                  dict(self.arguments))  # (it rewrites its kwargs' entries: a copy per layer)
