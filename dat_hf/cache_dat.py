@@ -12,7 +12,7 @@ their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decodi
 `sliding_attention`). `prepare_cache` gives a fresh cache these layers.
 """
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
@@ -200,7 +200,6 @@ class PagedCache:
     def __init__(self, cache, arguments: dict, position_ids: torch.Tensor, config):
         self.cache, self.arguments = cache, arguments
         self.position_ids = position_ids.reshape(-1)  # [M]
-        self.heads, self.head_dim = config.num_key_value_heads, config.head_dim
         # a batch of decoding steps (one new token per request): the relational heads attend one receiver per row
         # (`AttentionPlan.build`'s `per_request`), except over position-relative symbols (rows per pair, `eager`)
         self.decoding = arguments.get("max_length_q") == 1 and config.symbol_retrieval != "position_relative"
@@ -212,26 +211,21 @@ class PagedCache:
         d_h]`, and values. Read back, a part of the token lying in one half is a view; only the part across the
         halves is copied."""
         _, key_heads, m, d = keys.shape
-        parts = [keys.transpose(1, 2).reshape(m, key_heads * d)] + [value[0] for value in values]
-        half = self.heads * d
-        padding = 2 * half - sum(part.shape[-1] for part in parts)
-        # the packed token and its zero padding, [M, 2 * half], in one copy
-        tokens = torch.cat(parts + ([keys.new_zeros(m, padding)] if padding else []), dim=-1).view(m, 2, self.heads, d)
-        # (the paged cache takes `[1, heads, M, d]` and moves it back to `[M, heads, d]`: views, no copy)
-        read = self.cache.update(*(tokens[:, i].transpose(0, 1)[None] for i in (0, 1)), layer_idx,
-                                 dict(self.arguments))  # (it rewrites its kwargs' entries: a copy per layer)
+        parts = [keys.transpose(1, 2).reshape(m, key_heads * d)]
+        parts += [value[0] for value in values]
+        heads, padding, pieces = paged_layout(tuple(part.shape[-1] for part in parts), d)
+        if padding:
+            parts.append(keys.new_zeros(m, padding))
+        tokens = torch.cat(parts, dim=-1).view(m, 2, heads, d)  # the packed token and its zero padding, one copy
+        # (the paged cache takes `[1, heads, M, d]` and moves it back to `[M, heads, d]`: views, no copy; it rewrites
+        # its kwargs' entries: a copy of them per layer)
+        read = self.cache.update(tokens[:, 0].transpose(0, 1)[None], tokens[:, 1].transpose(0, 1)[None], layer_idx,
+                                 dict(self.arguments))
         n = read[0].shape[2]
-        halves = [part[0].transpose(0, 1).reshape(n, half) for part in read]
-        pieces, start = [], 0
-        for part in parts:
-            end = start + part.shape[-1]
-            if end <= half or start >= half:
-                offset = 0 if end <= half else half
-                pieces.append(halves[start >= half][:, start - offset:end - offset])
-            else:
-                pieces.append(torch.cat((halves[0][:, start:], halves[1][:, :end - half]), dim=-1))
-            start = end
-        return packed.views(pieces[0].view(n, key_heads, d).transpose(0, 1)[None], [p[None] for p in pieces[1:]])
+        halves = [part[0].transpose(0, 1).reshape(n, heads * d) for part in read]
+        parts = [halves[half][:, start:end] if half is not None
+                 else torch.cat((halves[0][:, start:], halves[1][:, :end]), dim=-1) for half, start, end in pieces]
+        return packed.views(parts[0].view(n, key_heads, d).transpose(0, 1)[None], [p[None] for p in parts[1:]])
 
     def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:
         """Rows of the position-relative symbol table for every (receiver, key) pair of a layer's update: long `[M,
@@ -250,6 +244,26 @@ class PagedCache:
             offsets = key_positions[None, :] - self.position_ids[:, None]
             self._relative_index[layer_type] = offsets.clamp(-clip, clip) + clip
         return self._relative_index[layer_type]
+
+
+@lru_cache(maxsize=None)
+def paged_layout(widths: tuple[int, ...], head_dim: int) -> tuple[int, int, tuple]:
+    """How a packed token of parts `widths` lies in the paged cache's two halves (keys and values, `heads` of
+    `head_dim` each): (heads, zero padding at the end, per part (half, start, end) within that half, or (None, start
+    in the first half, end in the second) for the part across them). Computed once per layer shape."""
+    width = sum(widths)
+    heads = -(-width // (2 * head_dim))
+    half, pieces, start = heads * head_dim, [], 0
+    for part in widths:
+        end = start + part
+        if end <= half:
+            pieces.append((0, start, end))
+        elif start >= half:
+            pieces.append((1, start - half, end - half))
+        else:
+            pieces.append((None, start, end - half))
+        start = end
+    return heads, 2 * half - width, tuple(pieces)
 
 
 def query_slot(cache: Cache, layer_idx: int, query_length: int):

@@ -11,6 +11,7 @@ vocabulary, for 1, 4, 16 and 64 concurrent requests of mixed prompt lengths, ser
     python scripts/benchmark_serve.py --repeats 3 --out docs/benchmarks/serve_cpu
     python scripts/benchmark_serve.py --concurrency 16 64 --new-tokens 64 --device cuda --dtype bf16 --hidden 1024 \\
         --sensory-heads 8 --relational-heads 8 --ffn 4096 --vocab 32000
+    python scripts/benchmark_serve.py --preset dat-343m --layers 24 --concurrency 16 --out /tmp/serve_343m
     python scripts/benchmark_serve.py --quick --out /tmp/serve      # a tiny model, in seconds (tests/)
 
 Prompts are seeded (lengths uniform in `--prompt-lengths`, a fresh draw for each concurrency, the same for both
@@ -46,7 +47,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 def model_configs(args):
     """(DAT config, Llama config): `scripts/benchmark.py`'s benchmark model at this script's sizes (SwiGLU, RMSNorm,
     64 symbols; Llama with all heads as self-attention heads, tied embeddings), weights drawn with `--init`."""
-    shapes = argparse.Namespace(preset=None, layers=args.layers, vocab=args.vocab, hidden=args.hidden,
+    shapes = argparse.Namespace(preset=args.preset, layers=args.layers, vocab=args.vocab, hidden=args.hidden,
                                 sensory_heads=args.sensory_heads, relational_heads=args.relational_heads,
                                 ffn=args.ffn, relational_bias="causal", window=None)
     dat = benchmark.dat_config(shapes, args.prompt_lengths[1] + args.new_tokens)
@@ -384,6 +385,9 @@ def parser():
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="requests served at once")
     p.add_argument("--prompt-lengths", type=int, nargs=2, default=[8, 96], metavar=("MIN", "MAX"))
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--preset", help="a dat_hf preset's shapes (e.g. dat-343m: d=1024, 8 + 8 heads, 4 key/value heads "
+                                    "each, 1,024 symbols, vocabulary 50,304) at --layers depth, instead of --hidden, "
+                                    "--ffn, --vocab and the heads")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--sensory-heads", type=int, default=4, help="DAT's sensory heads (Llama: sensory + relational)")

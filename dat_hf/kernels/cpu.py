@@ -22,6 +22,7 @@ once, instead of one matrix-vector product per projection.
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
 
 from .. import dual_attention
 from ..kernel_hooks import register_kernel
@@ -219,17 +220,23 @@ def cpu_fused_linear(linears, x):
 def accepts_fused_linear(linears, x) -> bool:
     """Decoding-sized inputs (fewer rows than `FUSED_PROJECTION_MIN_ROWS`, where the reference runs one matrix
     product per projection) without gradients, float32 on CPU, through plain bias-free linears whose weights are plain
-    tensors (not quantized or distributed tensor subclasses)."""
-    weights = [linear.weight for linear in linears]
-    return (
-        x.device.type == "cpu" and x.dtype == torch.float32
-        and x.shape[:-1].numel() < dual_attention.FUSED_PROJECTION_MIN_ROWS
-        and all(dual_attention._is_plain_linear(linear) and linear.bias is None for linear in linears)
-        and all(type(w) in (nn.Parameter, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32
-                and w.is_contiguous() for w in weights)
-        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
-        and load_cpu_kernel()
-    )
+    tensors (not quantized or distributed tensor subclasses). (Checked every decoding step of every layer: one pass.)"""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32
+            and x.shape[:-1].numel() < dual_attention.FUSED_PROJECTION_MIN_ROWS and load_cpu_kernel()):
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
+    for linear in linears:
+        w = linear.weight
+        if not (dual_attention._is_plain_linear(linear) and linear.bias is None and type(w) in _PLAIN_TENSORS
+                and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+                and not (grad and w.requires_grad)):
+            return False
+    return True
+
+
+_PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
 
 
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
@@ -245,8 +252,6 @@ def swiglu_backward_op(grad, gate, up):
 
 def takes_swiglu_op(act_fn, gate, up) -> bool:
     """Whether `act(gate) * up` is SwiGLU on float32 CPU tensors in eager mode with the ops built."""
-    from transformers.activations import SiLUActivation
-
     return (
         up is not None and isinstance(act_fn, SiLUActivation) and gate.dtype == up.dtype == torch.float32
         and gate.device.type == "cpu" and not torch.compiler.is_compiling() and load_cpu_kernel()
