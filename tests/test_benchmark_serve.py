@@ -63,6 +63,19 @@ def test_quick_run_reports_every_way_with_the_sequential_tokens(tmp_path):
     assert table["acceptance"]["concurrency"] == 4 and table["acceptance"]["paged_bytes_ok"] is True
 
 
+def test_a_preset_gives_its_shapes_at_the_depth_asked_for():
+    """`--preset`: the preset's widths, heads and vocabulary at `--layers` depth, for DAT and its Llama alike (the
+    shapes of the run in docs/performance.md)."""
+    args = serve.parser().parse_args(["--preset", "dat-343m", "--layers", "2"])
+    dat, llama = serve.model_configs(args)
+    assert (dat.hidden_size, dat.num_hidden_layers, dat.num_sensory_heads, dat.num_relational_heads) == (1024, 2, 8, 8)
+    assert (dat.sensory_kv_heads, dat.num_symbols, dat.vocab_size) == (4, 1024, 50304)
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.vocab_size) == (1024, 2, 16, 50304)
+    assert llama.intermediate_size == dat.intermediate_size
+    full_depth = serve.parser().parse_args(["--preset", "dat-343m", "--layers", "24"])
+    assert 1.15 < serve.decode_flop_ratio(full_depth, 16) < 1.3  # (the issue's "about 1.2-1.3"; the LM head is shared)
+
+
 def test_bytes_per_token_of_both_caches_follow_the_config():
     """A config whose packed layer does not fill its pages' heads (GQA, one relation of 4: 36 elements per layer in 3
     heads of 2 x 8): the paged cache holds more per token than the dynamic one, by the padding of its last head."""

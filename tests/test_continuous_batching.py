@@ -20,7 +20,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 import dat_hf.kernels.cpu as kernel
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
-from dat_hf.cache_dat import PAGED_ARGUMENTS
+from dat_hf.cache_dat import PAGED_ARGUMENTS, paged_layout
 from dat_hf.transformers_compat import PAGED_CACHE_UPDATE, paged_cache_limits
 
 PROMPT_LENGTHS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 77, 89, 100)
@@ -204,6 +204,15 @@ def test_packed_cache_fits_the_paged_pages():
         width = sum(packed.key_heads) * config.head_dim + sum(packed.value_widths)
         assert config.packed_cache_width == width, overrides
         assert 0 <= 2 * config.num_key_value_heads * config.head_dim - width < 2 * config.head_dim, overrides
+        # the layout `update_packed` stores: the config's heads, padding to two halves, every part once, in order
+        parts = (sum(packed.key_heads) * config.head_dim, *packed.value_widths)
+        heads, padding, pieces = paged_layout(parts, config.head_dim)
+        half = heads * config.head_dim
+        assert (heads, padding) == (config.num_key_value_heads, 2 * half - width), overrides
+        flat = [(0 if h == 0 else half) + a if h is not None else a for h, a, _ in pieces]
+        assert flat == [sum(parts[:i]) for i in range(len(parts))], overrides
+        for (h, start, end), part in zip(pieces, parts):
+            assert (end - start if h is not None else half - start + end) == part, overrides
 
 
 @pytest.mark.parametrize("overrides, field", [
