@@ -207,25 +207,38 @@ class PagedCache:
 
     def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
         """A layer's new tokens: keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` in `packed`'s order (a
-        `PackedCache`) -> `packed.views` of every token the receivers may read (N): keys per head type `[1, h_kv, N,
-        d_h]`, and values. Read back, a part of the token lying in one half is a view; only the part across the
-        halves is copied."""
+        `PackedCache`) -> what `packed.views` gives for every token the receivers may read (N): keys per head type
+        `[1, h_kv, N, d_h]`, and values. Read back, a part of the token lying in one half is a view; only the part
+        across the halves is copied. (A decoding step calls this once per layer: the views are taken straight from
+        the rows read back, `as_strided`, a handful of operators rather than a few dozen.)"""
         _, key_heads, m, d = keys.shape
-        parts = [keys.transpose(1, 2).reshape(m, key_heads * d)]
-        parts += [value[0] for value in values]
-        heads, padding, pieces = paged_layout(tuple(part.shape[-1] for part in parts), d)
+        parts = [keys.transpose(1, 2).reshape(1, m, key_heads * d), *values]
+        widths = tuple(part.shape[-1] for part in parts)
+        heads, padding, pieces = paged_layout(widths, d)
         if padding:
-            parts.append(keys.new_zeros(m, padding))
-        tokens = torch.cat(parts, dim=-1).view(m, 2, heads, d)  # the packed token and its zero padding, one copy
-        # (the paged cache takes `[1, heads, M, d]` and moves it back to `[M, heads, d]`: views, no copy; it rewrites
-        # its kwargs' entries: a copy of them per layer)
-        read = self.cache.update(tokens[:, 0].transpose(0, 1)[None], tokens[:, 1].transpose(0, 1)[None], layer_idx,
-                                 dict(self.arguments))
-        n = read[0].shape[2]
-        halves = [part[0].transpose(0, 1).reshape(n, heads * d) for part in read]
-        parts = [halves[half][:, start:end] if half is not None
-                 else torch.cat((halves[0][:, start:], halves[1][:, :end]), dim=-1) for half, start, end in pieces]
-        return packed.views(parts[0].view(n, key_heads, d).transpose(0, 1)[None], [p[None] for p in parts[1:]])
+            parts.append(keys.new_zeros(1, m, padding))
+        tokens = torch.cat(parts, dim=-1)  # [1, M, 2 half]: the packed token and its zero padding, one copy
+        half = heads * d
+        # the halves as the paged cache takes them, `[1, heads, M, d]` (it moves them back to `[M, heads, d]`: views,
+        # no copy; it rewrites its kwargs' entries: a copy of them per layer)
+        new = [tokens.as_strided((1, heads, m, d), (m * 2 * half, d, 2 * half, 1), tokens.storage_offset() + i * half)
+               for i in (0, 1)]
+        read = [_token_rows(part) for part in self.cache.update(*new, layer_idx, dict(self.arguments))]
+        n = read[0][0].shape[2]
+        views = []
+        for (h, start, end), width, part_views in zip(pieces, widths, packed.paged_views):
+            if h is None:  # across the halves: its two pieces side by side, `[N, width]`
+                (first, row0, at0), (second, row1, at1) = read
+                base = torch.cat((first.as_strided((n, half - start), (row0, 1), at0 + start),
+                                  second.as_strided((n, end), (row1, 1), at1)), dim=-1)
+                row, at = width, base.storage_offset()
+            else:
+                base, row, at = read[h]
+                at += start
+            for size, stride, offset in part_views:  # (None: the token count, the stride between tokens)
+                views.append(base.as_strided((1, *(n if x is None else x for x in size)),
+                                             (n * row, *(row if x is None else x for x in stride)), at + offset))
+        return views[:len(packed.key_heads)], views[len(packed.key_heads):]
 
     def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:
         """Rows of the position-relative symbol table for every (receiver, key) pair of a layer's update: long `[M,
@@ -244,6 +257,15 @@ class PagedCache:
             offsets = key_positions[None, :] - self.position_ids[:, None]
             self._relative_index[layer_type] = offsets.clamp(-clip, clip) + clip
         return self._relative_index[layer_type]
+
+
+def _token_rows(read: torch.Tensor):
+    """A half read back, `[1, heads, N, d]` -> (a tensor over its storage, the stride between tokens, where token 0's
+    first element is), with each token's `heads * d` elements side by side (as the paged cache's rows hold them, and
+    the inputs it hands back when nothing is cached yet)."""
+    if read.stride(3) != 1 or read.stride(1) != read.shape[3]:
+        read = read.transpose(1, 2).contiguous().transpose(1, 2)
+    return read, read.stride(2), read.storage_offset()
 
 
 @lru_cache(maxsize=None)

@@ -139,18 +139,24 @@ class DATDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, **kwargs):
+        dropout = self.dropout if self.training else _identity  # (in eval a module call that returns its input)
+
         def attend(x):
             out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_plan, relational_plan, cache,
                                        **kwargs)
-            return self.dropout(out)
+            return dropout(out)
 
         if self.pre_norm:
             hidden_states = hidden_states + attend(self.input_layernorm(hidden_states))
-            hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+            hidden_states = hidden_states + dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
         else:
-            hidden_states = self.dropout(self.input_layernorm(hidden_states + attend(hidden_states)))
-            hidden_states = self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
+            hidden_states = dropout(self.input_layernorm(hidden_states + attend(hidden_states)))
+            hidden_states = self.post_attention_layernorm(hidden_states + dropout(self.mlp(hidden_states)))
         return hidden_states
+
+
+def _identity(x):
+    return x
 
 
 def init_positions(module, config):
