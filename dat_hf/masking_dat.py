@@ -486,8 +486,11 @@ def paged_masks(attention_mask, biases) -> dict[str, AttentionMask]:
     masks = {}
     for bias in dict.fromkeys(biases):
         mask = attention_mask[PAGED_LAYER_TYPES[bias]] if isinstance(attention_mask, dict) else attention_mask
-        # as bool (what the compiled kernels take); receiver blocks skip the senders of other requests
-        masks[bias] = _with_row_validity(mask if mask.dtype == torch.bool else mask == 0, is_causal=False)
+        # as bool (what the compiled kernels take); receiver blocks skip the senders of other requests (with fewer
+        # receivers than two blocks, one block would span every request's senders: not looked for, e.g. in a
+        # decoding step)
+        masks[bias] = _with_row_validity(mask if mask.dtype == torch.bool else mask == 0, is_causal=False,
+                                         receiver_blocks=mask.shape[-2] >= 2 * RECEIVER_BLOCK)
     return masks
 
 
