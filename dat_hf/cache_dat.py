@@ -225,8 +225,11 @@ class PagedCache:
                for i in (0, 1)]
         read = [_token_rows(part) for part in self.cache.update(*new, layer_idx, dict(self.arguments))]
         n = read[0][0].shape[2]
+        # each part's views (keys: one per head type): (element offset in the part, heads; 0: relation keys)
+        part_views = [[(sum(packed.key_heads[:i]) * d, h) for i, h in enumerate(packed.key_heads)]]
+        part_views += [[(0, h)] for h in packed.value_heads]
         views = []
-        for (h, start, end), width, part_views in zip(pieces, widths, packed.paged_views):
+        for (h, start, end), width, offsets in zip(pieces, widths, part_views):
             if h is None:  # across the halves: its two pieces side by side, `[N, width]`
                 (first, row0, at0), (second, row1, at1) = read
                 base = torch.cat((first.as_strided((n, half - start), (row0, 1), at0 + start),
@@ -235,9 +238,10 @@ class PagedCache:
             else:
                 base, row, at = read[h]
                 at += start
-            for size, stride, offset in part_views:  # (None: the token count, the stride between tokens)
-                views.append(base.as_strided((1, *(n if x is None else x for x in size)),
-                                             (n * row, *(row if x is None else x for x in stride)), at + offset))
+            for offset, heads in offsets:  # `[1, heads, N, d]`, or relation keys `[1, N, R, d_r]`
+                size, stride = (((heads, n, d), (d, row, 1)) if heads else
+                                ((n, *packed.relation_shape), (row, packed.relation_shape[1], 1)))
+                views.append(base.as_strided((1, *size), (n * row, *stride), at + offset))
         return views[:len(packed.key_heads)], views[len(packed.key_heads):]
 
     def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:

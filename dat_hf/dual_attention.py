@@ -255,15 +255,6 @@ class PackedCache:
         self.value_heads = value_heads
         self.value_widths = tuple(h * head_dim if h else self.relation_shape[0] * self.relation_shape[1]
                                   for h in value_heads)
-        # what `views` gives, as strided views of the token rows a paged cache reads back (`PagedCache`): per part
-        # (keys, then each value), per view (size after the batch, strides with None for the token stride, element
-        # offset in the part)
-        key_views = tuple(((h, None, head_dim), (head_dim, None, 1), sum(self.key_heads[:i]) * head_dim)
-                          for i, h in enumerate(self.key_heads))
-        self.paged_views = (key_views, *(
-            (((h, None, head_dim), (head_dim, None, 1), 0),) if h else (((None, *self.relation_shape),
-                                                                         (None, self.relation_shape[1], 1), 0),)
-            for h in value_heads))
 
     def pack(self, keys: list, values: list):
         """Keys `[b, h_kv, n, d_h]` in `key_heads` order and flat values `[b, n, width]` in `value_heads` order ->

@@ -217,6 +217,9 @@ def cpu_fused_linear(linears, x):
     return multi_linear_op(rows.contiguous(), [linear.weight for linear in linears]).view(*x.shape[:-1], -1)
 
 
+_PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
+
+
 def accepts_fused_linear(linears, x) -> bool:
     """Decoding-sized inputs (fewer rows than `FUSED_PROJECTION_MIN_ROWS`, where the reference runs one matrix
     product per projection) without gradients, float32 on CPU, through plain bias-free linears whose weights are plain
@@ -234,9 +237,6 @@ def accepts_fused_linear(linears, x) -> bool:
                 and not (grad and w.requires_grad)):
             return False
     return True
-
-
-_PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
 
 
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
