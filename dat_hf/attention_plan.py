@@ -28,6 +28,7 @@ from .masking_dat import AttentionMask, SlidingWindow, cut
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
                                    repeat_kv, select_relational_attention)
 from .relational_attention_fused import flex_attention_forward
+from .tensor_parallel_dat import local_tensor
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -201,8 +202,8 @@ class PlannedRelational(PlannedAttention):
     def __call__(self, module, query, key, symbol_values, relation_queries, relation_keys, symbols_at=None):
         """`module` (a `RelationalAttention`: its W_r, `spec` and dropout), inputs as `eager_relational_attention`
         -> messages `[b, q, h, d_h]`. The backend that ran is recorded as `module.relational_attention_backend`."""
-        args = (query, key, symbol_values, relation_queries, relation_keys, module.relation_proj, module.spec,
-                module.attention_dropout if module.training else 0.0, symbols_at)
+        args = (query, key, symbol_values, relation_queries, relation_keys, local_tensor(module.relation_proj),
+                module.spec, module.attention_dropout if module.training else 0.0, symbols_at)
         if torch.compiler.is_compiling():  # (traced ops never launch a kernel)
             return self._attend(*args)
         while True:

@@ -18,6 +18,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils import auto_docstring
 
+from .tensor_parallel_dat import GATHER_STYLE, HEADS_STYLE
+
 SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -59,6 +61,26 @@ def _check_float_fields(config):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
+
+
+def dual_attention_tp_plan(path: str, sensory: bool, relational: bool, sensory_qk: bool = True,
+                           relation_keys: bool = True) -> dict[str, str]:
+    """Tensor-parallel styles of a dual attention module at `path` (`tensor_parallel_dat.py`): whole heads per rank
+    (projections colwise, W_r by head, `o_proj` rowwise), the relation projections gathered. Only the projections the
+    module has: `sensory_qk` False when the sensory heads use the relational heads' queries and keys
+    (`share_attention_params`), `relation_keys` False for symmetric relations."""
+    plan = {}
+    if sensory:
+        heads = (["q_proj", "k_proj"] if sensory_qk else []) + ["v_proj"]
+        plan.update({f"{path}.sensory.{name}": "colwise" for name in heads})
+        plan[f"{path}.sensory.o_proj"] = "rowwise"
+    if relational:
+        plan.update({f"{path}.relational.{name}": "colwise" for name in ("q_attn_proj", "k_attn_proj", "symbol_proj")})
+        plan[f"{path}.relational.relation_proj"] = HEADS_STYLE
+        plan.update({f"{path}.relational.{name}": GATHER_STYLE
+                     for name in ["q_rel_proj"] + (["k_rel_proj"] if relation_keys else [])})
+        plan[f"{path}.relational.o_proj"] = "rowwise"
+    return plan
 
 
 # config object id -> (the dict it was built from, the keyword arguments of `from_dict`): lets `from_pretrained`
@@ -309,6 +331,33 @@ class DualAttentionConfig(PreTrainedConfig):
         `num_relational_key_value_heads`."""
         return -(-self.packed_cache_width // (2 * self.head_dim))
 
+    def layers_tp_plan(self, layers: str) -> dict[str, str]:
+        """Tensor-parallel styles of a stack of this config's layers at `layers` (e.g. `layers.*`): each layer's dual
+        attention (`dual_attention_tp_plan`) and MLP (gate and up colwise, down rowwise), as Llama's."""
+        sensory, relational = self.num_sensory_heads > 0, self.num_relational_heads > 0
+        plan = dual_attention_tp_plan(f"{layers}.dual_attn", sensory, relational,
+                                      sensory_qk=not (self.share_attention_params and sensory and relational),
+                                      relation_keys=not self.symmetric_relations)
+        mlp = (["gate_proj"] if self.hidden_act == "swiglu" else []) + ["up_proj"]
+        plan.update({f"{layers}.mlp.{name}": "colwise" for name in mlp})
+        plan[f"{layers}.mlp.down_proj"] = "rowwise"
+        return plan
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): the styles of the base model's modules, for
+        the projections this config's layers have (`layers_tp_plan`)."""
+        return self.layers_tp_plan("layers.*")
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """What Transformers reads: `tensor_parallel_plan`, or the plan set on this config (Transformers 5.17 sets
+        one at construction; neither is saved in config.json)."""
+        return self.__dict__.get("base_model_tp_plan") or self.tensor_parallel_plan()
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan):
+        self.__dict__["base_model_tp_plan"] = plan
+
     def layer_bias(self, layer_idx: int, relational: bool) -> str:
         """The relational bias (attention graph) of one layer's sensory or relational heads."""
         return self.layer_biases()[layer_idx][int(relational)]
@@ -496,6 +545,13 @@ class DATConfig(DualAttentionConfig):
     def __post_init__(self, **kwargs):
         _check_positive("vocab_size", self.vocab_size)
         super().__post_init__(**kwargs)
+
+    @property
+    def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]]:
+        """Pipeline parallelism: the base model's stages, inputs and outputs (as Llama's)."""
+        return {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+                "layers": (["hidden_states", "symbols"], ["hidden_states"]),
+                "norm": (["hidden_states"], ["hidden_states"])}
 
 
 @auto_docstring(

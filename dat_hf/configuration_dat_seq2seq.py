@@ -22,6 +22,7 @@ from .configuration_dat import (
     _check_choice,
     _check_layers,
     _check_positive,
+    dual_attention_tp_plan,
 )
 
 CROSS_ATTENTION_TYPES = ("sensory", "dual")
@@ -155,6 +156,16 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     @property
     def cross_head_dim(self) -> int:
         return self.hidden_size // (self.cross_sensory_heads + self.cross_relational_heads)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Tensor parallelism (`tp_plan="auto"`): both stacks' layers and the decoder's cross-attention, named from
+        the seq2seq base model (which holds the plan of its encoder and decoder); token embeddings by vocabulary (as
+        Llama's, whose LM head is sharded the same way)."""
+        plan = {"encoder.embed_tokens": "embedding_rowwise", "decoder.embed_tokens": "embedding_rowwise",
+                **self.layers_tp_plan("encoder.layers.*"), **self.layers_tp_plan("decoder.layers.*")}
+        plan.update(dual_attention_tp_plan("decoder.layers.*.cross_attn", self.cross_sensory_heads > 0,
+                                           self.cross_relational_heads > 0, relation_keys=not self.symmetric_relations))
+        return plan
 
     @property
     def decoder_uses_symbols(self) -> bool:

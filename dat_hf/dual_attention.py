@@ -14,6 +14,8 @@ Relational heads send, for receiver i and head h,
 through the relational attention interface (`relational_attention.py`: the reference and the named backends).
 """
 
+import re
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -23,6 +25,7 @@ from .cache_dat import PagedCache, query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv)
+from .tensor_parallel_dat import GATHER_STYLE, local_tensor, localize_heads
 
 
 def rotate_half(x):
@@ -62,7 +65,10 @@ FUSED_PROJECTION_MIN_ROWS = 64
 
 
 def _is_plain_linear(module) -> bool:
-    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+    """An `nn.Linear` whose call is its own: no hooks, no forward installed on the instance (tensor parallelism's
+    sharding styles, Accelerate's device hooks)."""
+    return (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+            and "forward" not in module.__dict__)
 
 
 @replaceable("fused_linear")
@@ -233,7 +239,7 @@ class RelationalAttention(nn.Module):
         b, _, q_len, kv_len = weights.shape
         symbol_index = None if symbols_at is None else symbols_at.rows(0, q_len, q_len, kv_len, weights.device)
         messages = relational_messages(weights, relations, per_head_symbols(symbol_values, self.num_key_value_groups, b),
-                                       self.relation_proj, symbol_index)
+                                       local_tensor(self.relation_proj), symbol_index)
         return self.o_proj(messages.reshape(b, q_len, -1))
 
 
@@ -301,6 +307,11 @@ class DualAttention(nn.Module):
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
         self.head_dim = config.head_dim
+        self.plan_projections()
+
+    def plan_projections(self):
+        """The bookkeeping of the fused input projection and of the cache layout, from the heads' counts (again after
+        tensor parallelism leaves each rank its own heads: `use_local_heads`)."""
         rel, sen = self.relational, self.sensory
         self.packed = PackedCache(sen, rel, self.head_dim, self.share_qk)
         own_qk = [m for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
@@ -311,17 +322,17 @@ class DualAttention(nn.Module):
         # up per call (adapters such as PEFT's replace the modules)
         names = {"relational": ("k_attn_proj", "q_attn_proj"), "sensory": ("k_proj", "q_proj")}
         owners = ["relational" if m is rel else "sensory" for m in own_qk]
-        self._input_projections = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
-        self._input_widths = [(self._key_heads_total + sum(self._query_heads)) * self.head_dim]
+        projections = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
+        widths = [(self._key_heads_total + sum(self._query_heads)) * self.head_dim]
         if sen is not None:
-            self._input_projections.append(("sensory", "v_proj"))
-            self._input_widths.append(sen.num_kv_heads * self.head_dim)
+            projections.append(("sensory", "v_proj"))
+            widths.append(sen.num_kv_heads * self.head_dim)
         if rel is not None:
             relation_projections = ["q_rel_proj"] + ([] if rel.symmetric_relations else ["k_rel_proj"])
-            self._input_projections += [("relational", name) for name in relation_projections]
-            self._input_widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
+            projections += [("relational", name) for name in relation_projections]
+            widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
         # (tuples: Dynamo guards them as constants, and can skip a layer's guards whole while its dicts are unchanged)
-        self._input_projections, self._input_widths = tuple(self._input_projections), tuple(self._input_widths)
+        self._input_projections, self._input_widths = tuple(projections), tuple(widths)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
@@ -391,5 +402,29 @@ def dual_attention_outputs(sensory, relational, sensory_inputs, relational_input
     return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
 
 
+def use_local_heads(model, tp_size: int) -> None:
+    """After Transformers has sharded `model` for tensor parallelism (`tensor_parallel_dat`): every attention module
+    left with the heads its rank holds, and the layers' projection bookkeeping and cache layout rebuilt for them. The
+    relation projections may be sharded only with their outputs gathered (`dat_gather`): every head reads every
+    relation."""
+    plan = model.tp_plan or {}
+    for name, module in model.named_modules():
+        if isinstance(module, SensoryAttention):
+            localize_heads(module, name, tp_size, ["q_proj", "k_proj", "v_proj"])
+        elif isinstance(module, RelationalAttention):
+            localize_heads(module, name, tp_size, ["q_attn_proj", "k_attn_proj", "symbol_proj", "relation_proj"])
+            for part in ("q_rel_proj", "k_rel_proj"):
+                linear = getattr(module, part, None)
+                style = plan.get(re.sub(r"\.\d+(\.|$)", r".*\1", f"{name}.{part}"))
+                if linear is not None and local_tensor(linear.weight).shape[0] != linear.out_features \
+                        and style != GATHER_STYLE:
+                    raise ValueError(f"The tensor-parallel plan shards {name}.{part} by {style!r}: every relational "
+                                     f"head reads every relation, so the relation projections are replicated or "
+                                     f"sharded with their outputs gathered ({GATHER_STYLE!r}).")
+    for module in model.modules():
+        if hasattr(module, "plan_projections"):
+            module.plan_projections()
+
+
 __all__ = ["DualAttention", "PackedCache", "SensoryAttention", "RelationalAttention", "DATRotaryEmbedding",
-           "apply_rotary", "dual_attention_outputs", "eager_attention_forward", "fused_linear"]
+           "apply_rotary", "dual_attention_outputs", "eager_attention_forward", "fused_linear", "use_local_heads"]

@@ -37,7 +37,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig, DATEncoderConfig
 from .cache_dat import PAGED_ARGUMENTS, PagedCache, check_cache, prepare_cache
-from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
+from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, use_local_heads
 from .kernel_hooks import replaceable
 from .input_validation import (
     validate_classification_labels,
@@ -397,6 +397,15 @@ class DATPreTrainedModel(PreTrainedModel):
         and loading again if a save commits during the load (`SAVE_LOAD_HOOKS`)."""
         return SAVE_LOAD_HOOKS["load"](cls, super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Transformers' parallelism (`tp_plan="auto"`, `DistributedConfig`) before the weights load; under tensor
+        parallelism every attention module is then left with the heads its rank holds (`use_local_heads`)."""
+        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if mesh_manager is not None and distributed_config.tp_size > 1:
+            use_local_heads(model, distributed_config.tp_size)
+        return model
+
     def __new__(cls, *args, **kwargs):
         SAVE_LOAD_HOOKS["build"](cls, args)  # (with dat_hf: the config is checked against the checkpoint being loaded)
         return super().__new__(cls)
@@ -555,6 +564,10 @@ class DATGenerationMixin(GenerationMixin):
         --continuous-batching`): every layer's packed cache (`PackedCache`) lives in the manager's paged cache
         (`PagedCache`), and both head types attend over its packed batches with the mask it builds per layer type.
         Configurations it cannot serve are refused here, by name (`check_continuous_batching`)."""
+        if (getattr(self, "_tp_size", None) or 1) > 1:
+            raise ValueError("Continuous batching cannot serve a tensor-parallel DAT model (tp_size="
+                             f"{self._tp_size}): the paged cache would split DAT's packed cache layer by key/value "
+                             "heads. Call `generate` instead.")
         check_continuous_batching(self.config)
         return super().init_continuous_batching(*args, **kwargs)
 
@@ -576,6 +589,8 @@ class DATGenerationMixin(GenerationMixin):
 class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: DATConfig):
         super().__init__(config)

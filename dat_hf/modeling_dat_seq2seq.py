@@ -207,6 +207,10 @@ class DATCrossAttention(nn.Module):
             RelationalAttention(cross_config, layer_idx, is_causal=False) if cross_config.num_relational_heads else None
         )
         self.symmetric_relations = config.symmetric_relations
+        self.plan_projections()
+
+    def plan_projections(self):
+        """The cache layout, from the heads' counts (again after tensor parallelism: `use_local_heads`)."""
         self.packed = PackedCache(self.sensory, self.relational, self.head_dim)
 
     def _project_queries(self, hidden_states):
@@ -330,8 +334,17 @@ class DATSeq2SeqPreTrainedModel(DATPreTrainedModel):
         "AutoModelForSeq2SeqLM": "modeling_dat_seq2seq.DATForSeq2SeqLM",
     }
 
+    # the encoder and the decoder are models of their own inside the seq2seq model, which holds the parallel plans of
+    # both (`DATSeq2SeqConfig.base_model_tp_plan` names `encoder.layers.*` and `decoder.layers.*`)
+    is_stack = False
+
     def _tied_mapping(self) -> dict:
         return {}
+
+    def init_parallel_plans(self) -> None:
+        super().init_parallel_plans()
+        if self.is_stack:
+            self._tp_plan, self._pp_plan = {}, {}
 
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
@@ -359,6 +372,8 @@ def encoder_hidden_states_recorder() -> OutputRecorder:
 
 class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     """The bidirectional DAT encoder. input_ids `[b, m]` -> last_hidden_state `[b, m, d]`."""
+
+    is_stack = True
 
     _can_record_outputs = {
         "hidden_states": encoder_hidden_states_recorder(),
@@ -438,6 +453,8 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
 
 class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     """The causal DAT decoder with cross-attention. decoder input_ids `[b, n]` -> last_hidden_state `[b, n, d]`."""
+
+    is_stack = True
 
     _can_record_outputs = {
         "hidden_states": OutputRecorder(DATSeq2SeqDecoderLayer, index=0),
@@ -674,6 +691,7 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
 class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: DATSeq2SeqConfig):
         super().__init__(config)

@@ -14,6 +14,8 @@
 #   env      GPU, driver and package versions; dat_hf imports and picks the triton backend on CUDA
 #   kernel   the Triton kernel's checks on CUDA tensors (tests/triton_kernel_checks.py, compiled kernels)
 #   fsdp     FSDP2 by hand on CUDA, 2 processes (tests/test_fsdp.py::test_save_pretrained_of_a_model_sharded_by_hand)
+#   tp       tensor parallelism on CUDA with NCCL, one rank per GPU (tests/test_tensor_parallel.py's 2-process check:
+#            every family vs one process); needs 2 GPUs, and says so on a machine with one
 #   sdpa     343M shapes, bf16, train step at 4096 with the relational heads on SDPA (fused values of width
 #            head_dim + R * d_r): does SDPA keep a fused kernel at that width (the run fails if it needs the math one)
 #   train    343M shapes, bf16, train step and peak memory vs Llama at 1024, 2048, 4096 and 8192 tokens
@@ -126,6 +128,12 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
         fsdp)
             stage fsdp env DAT_HF_FSDP_DEVICE=cuda DAT_HF_TRITON_AUTOTUNE=0 python3 -m pytest -q -s \
                 -p no:cacheprovider tests/test_fsdp.py -k sharded_by_hand || status=1 ;;
+        tp)
+            if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
+                echo "=== tp: needs 2 GPUs, this machine has $(nvidia-smi -L 2>/dev/null | wc -l): not run"
+            else
+                stage tp python3 -m pytest -q -s -p no:cacheprovider tests/test_tensor_parallel.py || status=1
+            fi ;;
         sdpa)
             stage sdpa "${BENCH[@]}" train "${CUDA[@]}" --impls dat_hf --relational-backend sdpa --seq 4096 \
                 --steps 3 --out "$OUT/sdpa" || status=1 ;;
@@ -157,7 +165,7 @@ print(\"relational backend on CUDA:\", model.model.layers[0].dual_attn.relationa
             stage reference_decode "${BENCH[@]}" generate "${CUDA[@]}" --impls dat_hf reference --prompt 1024 \
                 --new-tokens 32 --out "$OUT/reference_decode" || status=1 ;;
         *)
-            echo "unknown stage $name (quick, env, kernel, fsdp, sdpa, train, decode_op, decode, decode_window, flex," \
+            echo "unknown stage $name (quick, env, kernel, fsdp, tp, sdpa, train, decode_op, decode, decode_window, flex," \
                 "flex_train, reference)" >&2
             status=2 ;;
     esac

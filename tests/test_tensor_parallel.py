@@ -1,0 +1,129 @@
+"""Tensor parallelism (`from_pretrained(..., tp_plan="auto")`, `dat_hf/tensor_parallel_dat.py`): the plans of every
+family, and 2 processes (`torchrun`, gloo, CPU) against one: logits, a training step (loss, every gradient, SGD),
+greedy `generate` with the cache, `save_pretrained` of the sharded model reloaded in one process."""
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+from lm_helpers import REPO_ROOT, run_group, subprocess_env
+
+from dat_hf import (DATConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM, DATSeq2SeqConfig,
+                    DATVisionConfig)
+from dat_hf.tensor_parallel_dat import ALL_PARALLEL_STYLES, GATHER_STYLE, HEADS_STYLE
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_symbols=8, symbolic_attention_heads=2, intermediate_size=96)
+
+# name -> (model class, config): the causal LM's default, GQA, sliding window, position-relative symbols, and the
+# options that drop projections (shared attention parameters, symmetric relations, an ungated MLP); seq2seq with
+# dual cross-attention; vision
+VARIANTS = {
+    "default": (DATForCausalLM, lambda: DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2,
+                                                  **SMALL)),
+    "gqa": (DATForCausalLM, lambda: DATConfig(vocab_size=96, num_sensory_heads=4, num_relational_heads=4,
+                                              num_sensory_key_value_heads=2, num_relational_key_value_heads=2, **SMALL)),
+    "window": (DATForCausalLM, lambda: DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2,
+                                                 relational_bias="sliding_window", sliding_window_size=4, **SMALL)),
+    "relative": (DATForCausalLM, lambda: DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2,
+                                                   symbol_retrieval="position_relative", max_relative_position=4,
+                                                   **SMALL)),
+    "shared-symmetric-gelu": (DATForCausalLM, lambda: DATConfig(
+        vocab_size=96, num_sensory_heads=2, num_relational_heads=2, share_attention_params=True,
+        symmetric_relations=True, hidden_act="gelu", relation_activation="relu", **SMALL)),
+    "seq2seq": (DATForSeq2SeqLM, lambda: DATSeq2SeqConfig(
+        vocab_size=96, num_sensory_heads=2, num_relational_heads=2, encoder_layers=2, cross_attention="dual",
+        decoder_start_token_id=0, pad_token_id=0, **SMALL)),
+    "vision": (DATForImageClassification, lambda: DATVisionConfig(num_sensory_heads=2, num_relational_heads=2,
+                                                                  image_size=8, patch_size=4, num_labels=3, **SMALL)),
+    # one key/value head per head type: 2 ranks cannot each hold whole heads
+    "kv1": (DATForCausalLM, lambda: DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2,
+                                              num_sensory_key_value_heads=1, num_relational_key_value_heads=1,
+                                              **SMALL)),
+}
+
+
+def replace_layer_number_by_wildcard(name: str) -> str:
+    """`model.layers.3.mlp` -> `model.layers.*.mlp`, as the plans name modules."""
+    return re.sub(r"\.\d+(\.|$)", r".*\1", name)
+
+
+def save_variant(name, path):
+    torch.manual_seed(0)
+    model_class, config = VARIANTS[name]
+    model_class(config()).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "kv1"])
+def test_plan_names_every_layer_projection_and_nothing_else(name):
+    """The config's plan (`base_model_tp_plan`, plus the head's `_tp_plan`) shards every projection of every layer,
+    and each rule names a module or parameter of the model (Transformers warns about rules that match nothing)."""
+    model_class, config = VARIANTS[name]
+    config = config()
+    model = model_class(config)
+    plan = model.tp_plan
+    names = {replace_layer_number_by_wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
+    # (the rules of dat_hf's plan; Transformers 5.17 adds an `embed_tokens` rule to the plan of every tied config)
+    own = {f"{model.base_model_prefix}.{rule}" for rule in config.tensor_parallel_plan()}
+    own |= set(model_class._tp_plan or {})
+    assert own <= set(plan) and own <= names, sorted(own - names)
+    projections = {replace_layer_number_by_wildcard(n).removesuffix(".weight") for n, _ in model.named_parameters()
+                   if ".layers." in n and (n.endswith("proj.weight") or n.endswith("relation_proj"))}
+    assert projections and projections <= set(plan), sorted(projections - set(plan))
+    styles = {rule.rsplit(".", 1)[-1]: style for rule, style in plan.items()}
+    assert styles.get("relation_proj", HEADS_STYLE) == HEADS_STYLE
+    assert styles.get("q_rel_proj", GATHER_STYLE) == GATHER_STYLE
+    assert styles["o_proj"] == styles["down_proj"] == "rowwise"
+
+
+def test_continuous_batching_refuses_a_tensor_parallel_model():
+    model = DATForCausalLM(VARIANTS["default"][1]())
+    model._tp_size = 2
+    with pytest.raises(ValueError, match="tensor-parallel DAT model"):
+        model.init_continuous_batching()
+
+
+def user_plan(plan: dict, replicated: str) -> dict:
+    """A user's plan (`DistributedConfig(tp_plan=...)`) that leaves the rules containing `replicated` unsharded."""
+    if "replicate" in ALL_PARALLEL_STYLES:  # (Transformers 5.24: the rules override the model's)
+        return {rule: "replicate" for rule in plan if replicated in rule}
+    return {rule: style for rule, style in plan.items() if replicated not in rule}  # (5.17: the plan replaces it)
+
+
+def test_two_processes_match_one(tmp_path):
+    """`tp_plan="auto"` over 2 ranks against one process, for every variant; users' plans that leave attention, or
+    the relational heads only, replicated; a head count 2 ranks cannot split is refused by name."""
+    specs = [save_variant(name, tmp_path / name) for name in VARIANTS if name != "kv1"]
+    config = DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2, **SMALL)
+    plan = {f"model.{rule}": style for rule, style in config.tensor_parallel_plan().items()}
+    for replicated in (".dual_attn.", ".relational."):
+        plan_file = tmp_path / f"replicated{replicated.replace('.', '-')}json"
+        plan_file.write_text(json.dumps(user_plan(plan, replicated)))
+        specs.append(f"{specs[0]}@{plan_file}")
+    specs.append(save_variant("kv1", tmp_path / "kv1") + "!")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO_ROOT / "tests" / "workers" / "tp_check.py"), str(out), *specs]
+    proc = run_group(cmd, timeout=300, cwd=REPO_ROOT, env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] or all(a["folder"] == b["folder"] for a, b in zip(*ranks))
+    for result in ranks[0] + ranks[1]:
+        name = result["folder"]
+        if name == "kv1":
+            assert result["error"] is not None and "tp_size=2" in result["error"], result
+            assert "1 key/value heads" in result["error"], result
+            continue
+        assert result["tp_size"] == 2, result
+        if "@" in name:  # attention, or the relational heads, replicated
+            assert 0 < result["sharded_weights"] < result["projection_weights"], result
+        else:
+            assert result["sharded_weights"] == result["projection_weights"] > 0, result
+        assert result["logits_diff"] < 1e-5, result
+        assert result["loss_diff"] < 1e-5 and result["grad_diff"] < 1e-5 and not result["grads_missing"], result
+        assert result["step_logits_moved"] > 1e-2 and result["step_logits_diff"] < 1e-5, result
+        assert result.get("generate_equal", True), result
+        assert result["reload_diff"] < 1e-5, result

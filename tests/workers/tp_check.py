@@ -1,0 +1,129 @@
+"""Tensor parallelism check, run by `torchrun --nproc_per_node N` (gloo, CPU): for each saved model folder given,
+`from_pretrained(folder, tp_plan="auto")` against the same folder loaded in one process: logits, one training step
+(loss, every gradient, SGD), greedy `generate` with the cache, and `save_pretrained` of the sharded model reloaded in
+one process. Writes `<out>/rank<r>.json` with the measured differences (the test asserts on them).
+
+    torchrun --nproc_per_node 2 tests/workers/tp_check.py OUT SPEC [SPEC ...]
+
+SPEC: a folder (`tp_plan="auto"`), `FOLDER@PLAN.json` (a `DistributedConfig` whose `tp_plan` overrides rules of the
+model's plan), or `FOLDER!` (loading with `tp_plan="auto"` must raise a ValueError: its message is recorded).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification,
+                          AutoModelForSeq2SeqLM)
+from transformers.distributed import DistributedConfig
+
+import dat_hf  # noqa: F401  (registers the Auto classes)
+
+AUTO = {"dat": AutoModelForCausalLM, "dat_seq2seq": AutoModelForSeq2SeqLM,
+        "dat_vision": AutoModelForImageClassification}
+
+
+def full(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def inputs_for(config, generator):
+    if config.model_type == "dat_vision":
+        return {"pixel_values": torch.randn(2, config.num_channels, config.image_size, config.image_size,
+                                            generator=generator), "labels": torch.tensor([0, 1])}
+    ids = torch.randint(1, config.vocab_size, (2, 10), generator=generator)
+    if config.model_type == "dat_seq2seq":
+        target = torch.randint(1, config.vocab_size, (2, 7), generator=generator)
+        return {"input_ids": ids, "decoder_input_ids": target, "labels": target}
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in one row
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def projection_weights(model):
+    """The layers' projection weights (matrices of their linears, and W_r)."""
+    return {name: p for name, p in model.named_parameters()
+            if ".layers." in name and (name.endswith("proj.weight") or name.endswith("relation_proj"))}
+
+
+def check(spec):
+    folder, _, plan_file = spec.rstrip("!").partition("@")
+    config = AutoConfig.from_pretrained(folder)
+    auto = AUTO[config.model_type]
+    if spec.endswith("!"):
+        try:
+            auto.from_pretrained(folder, tp_plan="auto")
+        except ValueError as error:
+            return {"folder": os.path.basename(folder), "error": str(error)}
+        return {"folder": os.path.basename(folder), "error": None}
+    reference = auto.from_pretrained(folder)
+    if plan_file:
+        with open(plan_file) as f:
+            sharded = auto.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan=json.load(f)))
+    else:
+        sharded = auto.from_pretrained(folder, tp_plan="auto")
+    reference.to(sharded.device)  # (CPU with gloo; a rank's GPU with NCCL: scripts/gpu_checks.sh tp)
+    name = os.path.basename(folder) + (f"@{os.path.basename(plan_file)}" if plan_file else "")
+    result = {"folder": name, "tp_size": sharded._tp_size}
+    weights = projection_weights(sharded)
+    result["projection_weights"] = len(weights)
+    result["sharded_weights"] = sum(isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+                                    for p in weights.values())
+    inputs = {k: v.to(sharded.device) for k, v in inputs_for(config, torch.Generator().manual_seed(0)).items()}
+    forward_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+    with torch.no_grad():
+        logits_ref, logits_tp = reference(**forward_inputs).logits, sharded(**forward_inputs).logits
+    result["logits_diff"] = (logits_ref - logits_tp).abs().max().item()
+
+    # one training step: loss, every gradient, an SGD step
+    for model in (reference, sharded):
+        model.train()
+    loss_ref, loss_tp = reference(**inputs).loss, sharded(**inputs).loss
+    loss_ref.backward()
+    loss_tp.backward()
+    result["loss_diff"] = abs(loss_ref.item() - loss_tp.item())
+    grads_tp = dict(sharded.named_parameters())
+    result["grad_diff"] = max((full(grads_tp[name].grad) - p.grad).abs().max().item()
+                              for name, p in reference.named_parameters() if p.grad is not None)
+    result["grads_missing"] = sorted(name for name, p in reference.named_parameters()
+                                     if p.grad is not None and grads_tp[name].grad is None)
+    for model in (reference, sharded):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        model.eval()
+    with torch.no_grad():
+        stepped = reference(**forward_inputs).logits
+        result["step_logits_diff"] = (stepped - sharded(**forward_inputs).logits).abs().max().item()
+        result["step_logits_moved"] = (stepped - logits_ref).abs().max().item()
+
+    if config.model_type != "dat_vision":  # greedy decoding with the cache
+        gen = {k: v for k, v in forward_inputs.items() if k in ("input_ids", "attention_mask")}
+        kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+        result["generate_equal"] = torch.equal(reference.generate(**gen, **kwargs), sharded.generate(**gen, **kwargs))
+
+    # the sharded model saved (every rank calls it) and reloaded in one process
+    saved = os.path.join(os.environ["TP_CHECK_OUT"], f"saved-{name}")
+    sharded.save_pretrained(saved)
+    dist.barrier()
+    reloaded = auto.from_pretrained(saved)
+    with torch.no_grad():
+        reloaded_logits = reloaded.to(sharded.device)(**forward_inputs).logits
+        result["reload_diff"] = (reloaded_logits - sharded(**forward_inputs).logits).abs().max().item()
+    return result
+
+
+def main():
+    out, specs = sys.argv[1], sys.argv[2:]
+    os.environ["TP_CHECK_OUT"] = out
+    torch.manual_seed(0)
+    results = [check(spec) for spec in specs]
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
