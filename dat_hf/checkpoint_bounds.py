@@ -20,11 +20,13 @@ checkpoint's values. Used by `from_pretrained` of every DAT class (installed by 
 (`conversion.py`).
 """
 
+import contextlib
 import json
 import math
 import os
 import re
 import struct
+import sys
 
 import torch
 
@@ -160,6 +162,22 @@ def _fields_of(config, pairs) -> str:
     return "; ".join(dict.fromkeys(found))
 
 
+@contextlib.contextmanager
+def outside_zero_init():
+    """DeepSpeed ZeRO-3 loads a model inside `deepspeed.zero.Init`, whose patches build every module on the CPU and
+    partition it (the meta device is ignored, shapes read `[0]`): they are lifted while the check model is built."""
+    partitioning = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    context = getattr(partitioning, "top_level_context", None)
+    if context is None or not getattr(context, "patched", False):
+        yield
+        return
+    context.unpatch_init_and_builtins()
+    try:
+        yield
+    finally:
+        context.patch_init_and_builtins()
+
+
 def check_against_checkpoint(config, build_model, shapes, source, check_shapes=True, layers_checked=False):
     """Check `config` (a config, or a dict of constructor kwargs) against a checkpoint's {name: shape} (see the
     module docstring); `build_model(config)` builds the model class (it is called on the meta device, after the
@@ -167,7 +185,7 @@ def check_against_checkpoint(config, build_model, shapes, source, check_shapes=T
     Returns the model built on the meta device (nothing allocated), for further checks."""
     if not layers_checked:
         check_layer_counts(config, shapes, source)
-    with torch.device("meta"):
+    with outside_zero_init(), torch.device("meta"):
         model = build_model(config)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     # buffers outside the state dict (e.g. precomputed RoPE tables) are allocated too: bounded with what is missing
