@@ -32,6 +32,12 @@ VARIANTS = {
     "shared-symmetric-gelu": (DATForCausalLM, lambda: DATConfig(
         vocab_size=96, num_sensory_heads=2, num_relational_heads=2, share_attention_params=True,
         symmetric_relations=True, hidden_act="gelu", relation_activation="relu", **SMALL)),
+    # widths 2 ranks split unevenly (vocabulary, MLP, relation projections of 3 x 5), every bias, post-norm, positional
+    # symbols
+    "uneven-biases-postnorm": (DATForCausalLM, lambda: DATConfig(
+        vocab_size=97, hidden_size=64, num_hidden_layers=2, num_sensory_heads=2, num_relational_heads=2,
+        num_relations=3, relation_dim=5, intermediate_size=95, attention_bias=True, attention_out_bias=True,
+        mlp_bias=True, pre_norm=False, symbol_retrieval="positional", hidden_act="gelu")),
     "seq2seq": (DATForSeq2SeqLM, lambda: DATSeq2SeqConfig(
         vocab_size=96, num_sensory_heads=2, num_relational_heads=2, encoder_layers=2, cross_attention="dual",
         decoder_start_token_id=0, pad_token_id=0, **SMALL)),
