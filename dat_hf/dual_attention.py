@@ -25,7 +25,8 @@ from .cache_dat import PagedCache, query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv)
-from .tensor_parallel_dat import GATHER_STYLE, local_tensor, localize_heads
+from .tensor_parallel_dat import (GATHER_STYLE, column_sharded, local_rows, local_tensor, localize_heads,
+                                  sharded_projections)
 
 
 def rotate_half(x):
@@ -333,6 +334,12 @@ class DualAttention(nn.Module):
             widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
         # (tuples: Dynamo guards them as constants, and can skip a layer's guards whole while its dicts are unchanged)
         self._input_projections, self._input_widths = tuple(projections), tuple(widths)
+        # under tensor parallelism: the output features each part's projections compute on this rank (the relation
+        # projections' are gathered whole: `sharded_projections`)
+        linears = [getattr(rel if owner == "relational" else sen, name) for owner, name in projections]
+        rows = [local_rows(linear) for linear in linears]
+        self._local_input_widths = (sum(rows[:2 * len(own_qk)]),) + tuple(rows[2 * len(own_qk):])
+        self._sharded_inputs = any(linear.weight.shape[0] != local for linear, local in zip(linears, rows))
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
@@ -340,7 +347,10 @@ class DualAttention(nn.Module):
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
         linears = [getattr(relational if owner == "relational" else sensory, name)
                    for owner, name in self._input_projections]
-        parts = list(fused_linear(linears, hidden_states).split(self._input_widths, dim=-1))
+        if self._sharded_inputs and all(map(column_sharded, linears)):  # (tensor parallelism)
+            parts = sharded_projections(linears, hidden_states, self._local_input_widths, self._input_widths)
+        else:
+            parts = list(fused_linear(linears, hidden_states).split(self._input_widths, dim=-1))
         # [keys | queries] of every head, `[b, n, heads, d_h]`: RoPE once for all, then `[b, heads, n, d_h]` views
         keys_queries = parts.pop(0).view(b, n, -1, self.head_dim)
         if position_embeddings is not None:
@@ -416,8 +426,7 @@ def use_local_heads(model, tp_size: int) -> None:
             for part in ("q_rel_proj", "k_rel_proj"):
                 linear = getattr(module, part, None)
                 style = plan.get(re.sub(r"\.\d+(\.|$)", r".*\1", f"{name}.{part}"))
-                if linear is not None and local_tensor(linear.weight).shape[0] != linear.out_features \
-                        and style != GATHER_STYLE:
+                if linear is not None and local_rows(linear) != linear.out_features and style != GATHER_STYLE:
                     raise ValueError(f"The tensor-parallel plan shards {name}.{part} by {style!r}: every relational "
                                      f"head reads every relation, so the relation projections are replicated or "
                                      f"sharded with their outputs gathered ({GATHER_STYLE!r}).")

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 try:  # (Transformers releases before `transformers.distributed`, or a torch built without distributed: no TP)
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ColwiseParallel, TensorParallelLayer
 except ImportError:
@@ -40,6 +41,63 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def gather_last_dim(local: torch.Tensor, mesh, width: int) -> torch.Tensor:
+    """This rank's slice `[..., w]` of a last dimension of `width` -> the whole `[..., width]` on every rank
+    (all-gather; the last rank's slice is shorter for uneven widths). In backward each rank's gradient of the whole is
+    its own heads' share, a partial sum: the slices' gradients are summed (reduce-scatter)."""
+    shape = (*local.shape[:-1], width)
+    whole = DTensor.from_local(local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=shape,
+                               stride=torch.empty(shape, device="meta").stride())
+    return whole.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def column_sharded(linear) -> bool:
+    """A plain `nn.Linear` (the forward tensor parallelism installs, no hooks) of which this rank holds a slice of the
+    output features (`colwise`, `dat_gather`)."""
+    weight = linear.weight
+    return (type(linear) is nn.Linear and DTensor is not None and isinstance(weight, DTensor)
+            and weight.placements == (Shard(0),) and not (linear._forward_hooks or linear._forward_pre_hooks))
+
+
+if DTensor is not None:
+
+    class SumGradients(torch.autograd.Function):
+        """Identity forward; backward: the ranks' gradients summed (all-reduce). The input of column-sharded
+        projections: each rank's gradient is its output slice's share."""
+
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+
+def sharded_projections(linears, x: torch.Tensor, local_widths: tuple, widths: tuple) -> list:
+    """Column-sharded projections of one input as one local matrix product (`fused_linear` under tensor
+    parallelism): x `[..., d]` (the same on every rank) -> its output split in chunks of `local_widths` (this rank's
+    output features of consecutive projections), each chunk whose `widths` entry is larger gathered whole
+    (`gather_last_dim`: the relation queries and keys). One all-reduce of x's gradient in backward for all of them,
+    where Transformers' `colwise` style runs one per projection."""
+    mesh = linears[0].weight.device_mesh
+    if torch.is_grad_enabled() and x.requires_grad:
+        x = SumGradients.apply(x, mesh.get_group())
+    weight = torch.cat([linear.weight.to_local() for linear in linears])
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat([local_tensor(linear.bias) if linear.bias is not None
+                          else weight.new_zeros(linear.weight.to_local().shape[0]) for linear in linears])
+    chunks = list(nn.functional.linear(x, weight, bias).split(local_widths, dim=-1))
+    for i, (local, width) in enumerate(zip(local_widths, widths)):
+        if local != width:
+            chunks[i] = gather_last_dim(chunks[i], mesh, width)
+    return chunks
+
+
 if ALL_PARALLEL_STYLES is not None:
 
     class GatheredColwiseParallel(ColwiseParallel):
@@ -52,10 +110,8 @@ if ALL_PARALLEL_STYLES is not None:
             super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
 
         def transform_output_post_forward(self, module, output, mesh):
-            if not isinstance(output, DTensor):  # (this rank's slice; the last rank's is shorter for uneven widths)
-                shape = (*output.shape[:-1], module.out_features)
-                output = DTensor.from_local(output, mesh, [Shard(output.dim() - 1)], run_check=False, shape=shape,
-                                            stride=torch.empty(shape, device="meta").stride())
+            if not isinstance(output, DTensor):
+                return gather_last_dim(output, mesh, module.out_features)
             if output.placements != (Replicate(),):
                 output = output.redistribute(placements=[Replicate()])
             return output.to_local(grad_placements=[Partial()])
@@ -75,10 +131,36 @@ if ALL_PARALLEL_STYLES is not None:
     ALL_PARALLEL_STYLES.register(HEADS_STYLE, HeadShardedParameter())
 
 
+def tensor_parallel_slice(tensor: torch.Tensor, dim: int) -> int:
+    """The length of `tensor`'s dimension `dim` that this rank holds under tensor parallelism: the slice the `tp`
+    dimension of its mesh gives it (as `torch.chunk` splits, the last rank's may be shorter) when sharded along
+    `dim` there, else the whole length. Sharding by FSDP (the mesh's other dimensions, applied after TP) does not
+    count: what FSDP splits, it gathers again before each forward."""
+    size = tensor.shape[dim]
+    if DTensor is None or not isinstance(tensor, DTensor):
+        return size
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or ()
+    tp = names.index("tp") if "tp" in names else (0 if mesh.ndim == 1 else None)
+    if tp is None:
+        return size
+    placement = tensor.placements[tp]
+    if not (placement.is_shard() and placement.dim % tensor.dim() == dim % tensor.dim()):
+        return size
+    chunk = -(-size // mesh.size(tp))
+    return max(0, min(chunk, size - mesh.get_local_rank(tp) * chunk))
+
+
+def local_rows(linear: nn.Linear) -> int:
+    """Output features `linear` computes on this rank: its slice when sharded by row (a `colwise` projection), else
+    `out_features`."""
+    return tensor_parallel_slice(linear.weight, 0)
+
+
 def local_columns(linear: nn.Linear) -> int:
-    """Input features `linear` reads on this rank: its weight's local columns when sharded by column (a `rowwise`
-    projection), else `in_features`."""
-    return local_tensor(linear.weight).shape[-1]
+    """Input features `linear` reads on this rank: its slice when sharded by column (a `rowwise` projection), else
+    `in_features`."""
+    return tensor_parallel_slice(linear.weight, -1)
 
 
 def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) -> None:
@@ -87,8 +169,8 @@ def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) 
     (all of them, or none: replicated heads). Raise, naming the module, for a plan that shards some of them only, or
     head counts that tp_size does not divide (each rank must hold whole heads; GQA keeps its groups)."""
     tensors = {part: getattr(module, part) for part in head_parameters if getattr(module, part, None) is not None}
-    sharded = {part: (local_tensor(t.weight).shape[0] != t.out_features) if isinstance(t, nn.Linear)
-               else local_tensor(t).shape[0] != t.shape[0] for part, t in tensors.items()}
+    sharded = {part: local_rows(t) != t.out_features if isinstance(t, nn.Linear)
+               else tensor_parallel_slice(t, 0) != t.shape[0] for part, t in tensors.items()}
     sharded["o_proj"] = local_columns(module.o_proj) != module.o_proj.in_features
     if not any(sharded.values()):
         return
@@ -105,4 +187,5 @@ def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) 
     module.num_kv_heads //= tp_size
 
 
-__all__ = ["GATHER_STYLE", "HEADS_STYLE", "local_columns", "local_tensor", "localize_heads"]
+__all__ = ["GATHER_STYLE", "HEADS_STYLE", "column_sharded", "gather_last_dim", "local_columns", "local_rows",
+           "local_tensor", "localize_heads", "sharded_projections", "tensor_parallel_slice"]

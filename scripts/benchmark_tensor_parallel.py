@@ -35,8 +35,9 @@ read; on every rank for `tp`); each op's self time on the step's thread is put i
 time a rank waits for the other), `dtensor dispatch` (DTensor's own work: an op's self time above its
 `PythonSubclass` dispatch, `PythonSubclass`, and `Redistribute`, `from_local` / `to_local` and their backward nodes
 outside the ops they run), `dtensor copies` (the ops a redistribution or a wrapping runs beside its collectives:
-e.g. the shards of the LM head's gathered logits concatenated, clones), `linears` (matrix products
-of the projections, MLP and LM head), `sensory attention` (DAT's sensory heads, Llama's self-attention: SDPA, RoPE
+e.g. the shards of the LM head's gathered logits concatenated, clones), `linears` (the 2-D matrix
+products wherever they run: the projections, MLP, LM head, symbol retrieval's query; the modules are not hooked,
+which would take the fused projections out of the step), `sensory attention` (DAT's sensory heads, Llama's self-attention: SDPA, RoPE
 and reshapes for Llama), `relational attention` (DAT's relational heads: the relational kernel or backend),
 `attention, shared` (DAT's dual attention outside both head types: RoPE, splits), `symbol retrieval`,
 `optimizer`, `other ops` (embedding, norms, activations, loss) and `python` (no op: the interpreter between ops,
@@ -72,6 +73,8 @@ COLLECTIVE_MARKS = ("c10d", "gloo", "all_reduce", "allreduce", "all_gather", "al
 DTENSOR_NAMES = ("PythonSubclass", "Redistribute", "NestedRedistribute", "_FromTorchTensor", "_ToTorchTensor")
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::einsum",
            "aten::_addmm_activation")
+# the projections' products: 2-D (attention's own products are batched: bmm, baddbmm, matmul on 4-D tensors)
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::_addmm_activation")
 EVALUATE = "autograd::engine::evaluate_function: "
 
 
@@ -317,11 +320,9 @@ def worker_main(args):
 
 # ---- where the time goes -----------------------------------------------------------------------------------------
 def module_scope(module):
-    """The profiling scope of a module, or None."""
-    from torch import nn
-
-    if isinstance(module, nn.Linear):
-        return "linear"
+    """The profiling scope of a module, or None. Not the linears: a hook on them would take the fused projections
+    (one matrix product for a layer's inputs, `sharded_projections` under tensor parallelism) out of the profiled
+    step; their 2-D products (`LINEAR_OPS`) are counted as linears wherever they run."""
     return {"SensoryAttention": "sensory", "LlamaAttention": "sensory", "RelationalAttention": "relational",
             "DualAttention": "dual_attn", "SymbolRetrievers": "symbols"}.get(type(module).__name__)
 
@@ -400,7 +401,7 @@ def breakdown(events, step_name) -> dict:
         scope = scope_of(e)
         if scope == "optimizer":
             return "optimizer"
-        if scope == "linear":
+        if e.name in LINEAR_OPS:
             return "linears"
         if scope in ("sensory", "relational", "symbols"):
             return {"sensory": "sensory attention", "relational": "relational attention",
