@@ -98,10 +98,21 @@ def user_plan(plan: dict, replicated: str) -> dict:
     return {rule: style for rule, style in plan.items() if replicated not in rule}  # (5.17: the plan replaces it)
 
 
+def refused_variants() -> set:
+    """Variants the installed Transformers refuses to shard: before 5.24 (no `transformers.distributed.parallel_utils`)
+    Transformers' own check wants every sharded width divisible by tp_size."""
+    try:
+        import transformers.distributed.parallel_utils  # noqa: F401
+    except ImportError:
+        return {"uneven-biases-postnorm"}
+    return set()
+
+
 def test_two_processes_match_one(tmp_path):
     """`tp_plan="auto"` over 2 ranks against one process, for every variant; users' plans that leave attention, or
     the relational heads only, replicated; a head count 2 ranks cannot split is refused by name."""
-    specs = [save_variant(name, tmp_path / name) for name in VARIANTS if name != "kv1"]
+    specs = [save_variant(name, tmp_path / name) + ("!" if name in refused_variants() else "")
+             for name in VARIANTS if name != "kv1"]
     config = DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2, **SMALL)
     plan = {f"model.{rule}": style for rule, style in config.tensor_parallel_plan().items()}
     for replicated in (".dual_attn.", ".relational."):
@@ -122,6 +133,9 @@ def test_two_processes_match_one(tmp_path):
         if name == "kv1":
             assert result["error"] is not None and "tp_size=2" in result["error"], result
             assert "1 key/value heads" in result["error"], result
+            continue
+        if name in refused_variants():
+            assert result["error"] is not None and "must be divisible by the tensor parallel size" in result["error"]
             continue
         assert result["tp_size"] == 2, result
         if "@" in name:  # attention, or the relational heads, replicated
