@@ -22,9 +22,7 @@ full batch's gradient.
 """
 
 import contextlib
-import json
 import os
-import sys
 import time
 
 import torch
@@ -36,13 +34,10 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import dat_hf  # noqa: F401  (registers the Auto classes)
+from spec_runner import full, run_specs
 
 STEPS, BATCH, SEQ_LEN, LR = 4, 4, 12, 0.5
 TP_SIZE = FSDP_SIZE = 2
-
-
-def full(tensor):
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def batches(vocab_size):
@@ -174,12 +169,7 @@ def run(spec):
 
 
 def main():
-    out, specs = sys.argv[1], sys.argv[2:]
-    results = [run(spec) for spec in specs]
-    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_specs(run)
 
 
 if __name__ == "__main__":

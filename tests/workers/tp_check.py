@@ -21,13 +21,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
 from transformers.distributed import DistributedConfig
 
 import dat_hf  # noqa: F401  (registers the Auto classes)
+from spec_runner import full, run_specs
 
 AUTO = {"dat": AutoModelForCausalLM, "dat_seq2seq": AutoModelForSeq2SeqLM,
         "dat_vision": AutoModelForImageClassification}
-
-
-def full(tensor):
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def inputs_for(config, generator):
@@ -115,14 +112,9 @@ def check(spec):
 
 
 def main():
-    out, specs = sys.argv[1], sys.argv[2:]
-    os.environ["TP_CHECK_OUT"] = out
+    os.environ["TP_CHECK_OUT"] = sys.argv[1]
     torch.manual_seed(0)
-    results = [check(spec) for spec in specs]
-    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    run_specs(check)
 
 
 if __name__ == "__main__":
