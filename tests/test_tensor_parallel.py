@@ -110,7 +110,8 @@ def refused_variants() -> set:
 
 def test_two_processes_match_one(tmp_path):
     """`tp_plan="auto"` over 2 ranks against one process, for every variant; users' plans that leave attention, or
-    the relational heads only, replicated; a head count 2 ranks cannot split is refused by name."""
+    the relational heads only, replicated; a head count 2 ranks cannot split is refused by name; the default model in
+    a 2-stage pipeline instead (`DistributedConfig(pp_size=2)`)."""
     specs = [save_variant(name, tmp_path / name) + ("!" if name in refused_variants() else "")
              for name in VARIANTS if name != "kv1"]
     config = DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2, **SMALL)
@@ -120,6 +121,7 @@ def test_two_processes_match_one(tmp_path):
         plan_file.write_text(json.dumps(user_plan(plan, replicated)))
         specs.append(f"{specs[0]}@{plan_file}")
     specs.append(save_variant("kv1", tmp_path / "kv1") + "!")
+    specs.append(f"{specs[0]}|pp")
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -133,6 +135,10 @@ def test_two_processes_match_one(tmp_path):
         if name == "kv1":
             assert result["error"] is not None and "tp_size=2" in result["error"], result
             assert "1 key/value heads" in result["error"], result
+            continue
+        if name.endswith("|pp"):  # each rank holds half of the layers (Transformers' naive pipeline)
+            assert result["logits_diff"] < 1e-5, result
+            assert result["layers"].count("DATDecoderLayer") == 1 and "PipelineIdentityLayer" in result["layers"]
             continue
         if name in refused_variants():
             assert result["error"] is not None and "must be divisible by the tensor parallel size" in result["error"]

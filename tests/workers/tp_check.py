@@ -6,7 +6,8 @@ one process. Writes `<out>/rank<r>.json` with the measured differences (the test
     torchrun --nproc_per_node 2 tests/workers/tp_check.py OUT SPEC [SPEC ...]
 
 SPEC: a folder (`tp_plan="auto"`), `FOLDER@PLAN.json` (a `DistributedConfig` whose `tp_plan` overrides rules of the
-model's plan), or `FOLDER!` (loading with `tp_plan="auto"` must raise a ValueError: its message is recorded).
+model's plan), `FOLDER!` (loading with `tp_plan="auto"` must raise a ValueError: its message is recorded), or
+`FOLDER|pp` (pipeline parallelism over the ranks instead: logits only).
 """
 
 import json
@@ -46,10 +47,24 @@ def projection_weights(model):
             if ".layers." in name and (name.endswith("proj.weight") or name.endswith("relation_proj"))}
 
 
+def pipeline_check(folder, auto):
+    """`DistributedConfig(pp_size=2)` (Transformers' naive pipeline: each rank runs its half of the layers): the
+    logits against one process, and which layers each rank holds."""
+    reference = auto.from_pretrained(folder)
+    staged = auto.from_pretrained(folder, distributed_config=DistributedConfig(pp_size=2))
+    ids = torch.randint(1, reference.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (reference(ids).logits - staged(ids).logits).abs().max().item()
+    return {"folder": os.path.basename(folder) + "|pp", "logits_diff": diff,
+            "layers": [type(layer).__name__ for layer in staged.base_model.layers]}
+
+
 def check(spec):
-    folder, _, plan_file = spec.rstrip("!").partition("@")
+    folder, _, plan_file = spec.rstrip("!").removesuffix("|pp").partition("@")
     config = AutoConfig.from_pretrained(folder)
     auto = AUTO[config.model_type]
+    if spec.endswith("|pp"):
+        return pipeline_check(folder, auto)
     if spec.endswith("!"):
         try:
             auto.from_pretrained(folder, tp_plan="auto")
