@@ -122,8 +122,11 @@ class Server:
             env = offline_env(str(REPO_ROOT))
         self.log = workdir / "server.log"
         with open(self.log, "w") as log:
+            # (SIGINT as a terminal sends it, whatever this process inherited: a suite started as a background job
+            # of a non-interactive shell ignores SIGINT, and so would the server, exiting 0 after its shutdown)
             self.process = subprocess.Popen(command, cwd=REPO_ROOT if not remote else workdir, env=env,
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            preexec_fn=default_sigint)
         self.url = f"http://127.0.0.1:{port}"
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
         self.wait_until_ready()
@@ -154,6 +157,10 @@ class Server:
             self.process.kill()
             pytest.fail(f"the server did not exit within 30 s of {sig.name}:\n{self.output()[-5000:]}")
         return status, time.monotonic() - start
+
+
+def default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
