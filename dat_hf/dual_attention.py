@@ -14,8 +14,6 @@ Relational heads send, for receiver i and head h,
 through the relational attention interface (`relational_attention.py`: the reference and the named backends).
 """
 
-import re
-
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -26,7 +24,7 @@ from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights, repeat_kv)
 from .tensor_parallel_dat import (GATHER_STYLE, column_sharded, local_rows, local_tensor, localize_heads,
-                                  sharded_projections)
+                                  plan_rule, sharded_projections)
 
 
 def rotate_half(x):
@@ -425,7 +423,7 @@ def use_local_heads(model, tp_size: int) -> None:
             localize_heads(module, name, tp_size, ["q_attn_proj", "k_attn_proj", "symbol_proj", "relation_proj"])
             for part in ("q_rel_proj", "k_rel_proj"):
                 linear = getattr(module, part, None)
-                style = plan.get(re.sub(r"\.\d+(\.|$)", r".*\1", f"{name}.{part}"))
+                style = plan.get(plan_rule(f"{name}.{part}"))
                 if linear is not None and local_rows(linear) != linear.out_features and style != GATHER_STYLE:
                     raise ValueError(f"The tensor-parallel plan shards {name}.{part} by {style!r}: every relational "
                                      f"head reads every relation, so the relation projections are replicated or "

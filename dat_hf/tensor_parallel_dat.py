@@ -19,6 +19,8 @@ and `local_tensor`, the rank's own part of a sharded parameter that a model file
 module then learns the heads it holds from its sharded weights (`SensoryAttention.use_local_heads`).
 """
 
+import re
+
 import torch
 from torch import nn
 
@@ -32,6 +34,11 @@ except ImportError:
 # the styles DAT's plan names beside Transformers' own
 GATHER_STYLE = "dat_gather"
 HEADS_STYLE = "dat_heads"
+
+
+def plan_rule(name: str) -> str:
+    """A module's name as a plan's rules name it: `model.layers.3.mlp` -> `model.layers.*.mlp`."""
+    return re.sub(r"\.\d+(\.|$)", r".*\1", name)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,11 +93,12 @@ def sharded_projections(linears, x: torch.Tensor, local_widths: tuple, widths: t
     mesh = linears[0].weight.device_mesh
     if torch.is_grad_enabled() and x.requires_grad:
         x = SumGradients.apply(x, mesh.get_group())
-    weight = torch.cat([linear.weight.to_local() for linear in linears])
+    weights = [linear.weight.to_local() for linear in linears]
     bias = None
     if any(linear.bias is not None for linear in linears):
-        bias = torch.cat([local_tensor(linear.bias) if linear.bias is not None
-                          else weight.new_zeros(linear.weight.to_local().shape[0]) for linear in linears])
+        bias = torch.cat([local_tensor(linear.bias) if linear.bias is not None else weight.new_zeros(weight.shape[0])
+                          for linear, weight in zip(linears, weights)])
+    weight = torch.cat(weights)
     chunks = list(nn.functional.linear(x, weight, bias).split(local_widths, dim=-1))
     for i, (local, width) in enumerate(zip(local_widths, widths)):
         if local != width:
@@ -168,9 +176,9 @@ def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) 
     weights: `head_parameters` (the projections that output heads, and W_r) sharded by row and `o_proj` by column
     (all of them, or none: replicated heads). Raise, naming the module, for a plan that shards some of them only, or
     head counts that tp_size does not divide (each rank must hold whole heads; GQA keeps its groups)."""
-    tensors = {part: getattr(module, part) for part in head_parameters if getattr(module, part, None) is not None}
-    sharded = {part: local_rows(t) != t.out_features if isinstance(t, nn.Linear)
-               else tensor_parallel_slice(t, 0) != t.shape[0] for part, t in tensors.items()}
+    held = {part: getattr(module, part, None) for part in head_parameters}
+    weights = {part: t.weight if isinstance(t, nn.Linear) else t for part, t in held.items() if t is not None}
+    sharded = {part: tensor_parallel_slice(weight, 0) != weight.shape[0] for part, weight in weights.items()}
     sharded["o_proj"] = local_columns(module.o_proj) != module.o_proj.in_features
     if not any(sharded.values()):
         return
@@ -188,4 +196,4 @@ def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) 
 
 
 __all__ = ["GATHER_STYLE", "HEADS_STYLE", "column_sharded", "gather_last_dim", "local_columns", "local_rows",
-           "local_tensor", "localize_heads", "sharded_projections", "tensor_parallel_slice"]
+           "local_tensor", "localize_heads", "plan_rule", "sharded_projections", "tensor_parallel_slice"]

@@ -3,7 +3,6 @@ family, and 2 processes (`torchrun`, gloo, CPU) against one: logits, a training 
 greedy `generate` with the cache, `save_pretrained` of the sharded model reloaded in one process."""
 
 import json
-import re
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ from lm_helpers import REPO_ROOT, run_group, subprocess_env
 
 from dat_hf import (DATConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM, DATSeq2SeqConfig,
                     DATVisionConfig)
-from dat_hf.tensor_parallel_dat import ALL_PARALLEL_STYLES, GATHER_STYLE, HEADS_STYLE
+from dat_hf.tensor_parallel_dat import ALL_PARALLEL_STYLES, GATHER_STYLE, HEADS_STYLE, plan_rule
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_symbols=8, symbolic_attention_heads=2, intermediate_size=96)
 
@@ -50,11 +49,6 @@ VARIANTS = {
 }
 
 
-def replace_layer_number_by_wildcard(name: str) -> str:
-    """`model.layers.3.mlp` -> `model.layers.*.mlp`, as the plans name modules."""
-    return re.sub(r"\.\d+(\.|$)", r".*\1", name)
-
-
 def save_variant(name, path):
     torch.manual_seed(0)
     model_class, config = VARIANTS[name]
@@ -70,12 +64,12 @@ def test_plan_names_every_layer_projection_and_nothing_else(name):
     config = config()
     model = model_class(config)
     plan = model.tp_plan
-    names = {replace_layer_number_by_wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
+    names = {plan_rule(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
     # (the rules of dat_hf's plan; Transformers 5.17 adds an `embed_tokens` rule to the plan of every tied config)
     own = {f"{model.base_model_prefix}.{rule}" for rule in config.tensor_parallel_plan()}
     own |= set(model_class._tp_plan or {})
     assert own <= set(plan) and own <= names, sorted(own - names)
-    projections = {replace_layer_number_by_wildcard(n).removesuffix(".weight") for n, _ in model.named_parameters()
+    projections = {plan_rule(n).removesuffix(".weight") for n, _ in model.named_parameters()
                    if ".layers." in n and (n.endswith("proj.weight") or n.endswith("relation_proj"))}
     assert projections and projections <= set(plan), sorted(projections - set(plan))
     styles = {rule.rsplit(".", 1)[-1]: style for rule, style in plan.items()}
