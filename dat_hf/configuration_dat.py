@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import math
 import weakref
+from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
@@ -348,6 +349,9 @@ class DualAttentionConfig(PreTrainedConfig):
         the projections this config's layers have (`layers_tp_plan`)."""
         return self.layers_tp_plan("layers.*")
 
+    # names a plan may hold that the base model does not have (dropped by `base_model_tp_plan`'s setter)
+    tp_plan_absent: ClassVar[tuple[str, ...]] = ()
+
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
         """What Transformers reads: `tensor_parallel_plan`, or the plan set on this config (Transformers 5.17 sets
@@ -356,7 +360,9 @@ class DualAttentionConfig(PreTrainedConfig):
 
     @base_model_tp_plan.setter
     def base_model_tp_plan(self, plan):
-        self.__dict__["base_model_tp_plan"] = plan
+        # Transformers 5.17 adds `embed_tokens` to a tied config's plan at construction; a base model without that
+        # module (seq2seq: its embeddings are named in its plan) drops it
+        self.__dict__["base_model_tp_plan"] = {k: v for k, v in (plan or {}).items() if k not in self.tp_plan_absent}
 
     def layer_bias(self, layer_idx: int, relational: bool) -> str:
         """The relational bias (attention graph) of one layer's sensory or relational heads."""

@@ -97,6 +97,7 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     keys_to_ignore_at_inference = ["cache", "past_key_values", "encoder_last_hidden_state"]
     attribute_map = {"decoder_layers": "num_hidden_layers"}
     allowed_relational_biases = CAUSAL_BIASES
+    tp_plan_absent = ("embed_tokens",)  # its embeddings are `encoder.embed_tokens` and `decoder.embed_tokens`
 
     is_encoder_decoder: bool = True
     encoder_layers: int = 4
