@@ -19,6 +19,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils import auto_docstring
 
+from .relational_biases import check_bias_field, layer_type, paged_biases
 from .tensor_parallel_dat import GATHER_STYLE, HEADS_STYLE
 
 SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
@@ -26,11 +27,6 @@ POSITION_EMBEDDINGS = ("rope", "learned", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
 RELATION_ACTIVATIONS = ("identity", "relu", "gelu", "gelu_pytorch_tanh", "silu", "sigmoid", "tanh")
 MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_pytorch_tanh", "relu", "silu", "tanh", "sigmoid")
-# Relational inductive biases (attention graphs). "bidirectional" variants only make sense in encoders.
-RELATIONAL_BIASES = ("full", "causal", "sliding_window", "sliding_window_bidirectional", "sparse", "graph")
-CAUSAL_BIASES = ("causal", "sliding_window", "sparse", "graph")
-# the biases continuous batching serves (Transformers' manager builds causal and sliding-window masks)
-PAGED_BIASES = ("causal", "sliding_window")
 
 
 def _check_choice(name, value, choices):
@@ -180,7 +176,8 @@ DUAL_ATTENTION_ARGS = r"""
         Base period of the RoPE frequencies.
     relational_bias (`str`):
         Attention graph of every head: one of `full`, `causal`, `sliding_window`, `sliding_window_bidirectional`,
-        `sparse`, `graph` (those the model type allows), or a list with one per layer.
+        `sparse`, `graph` or a bias added with `register_relational_bias` (those the model type allows; see
+        `relational_biases.py`), or a list with one per layer.
     relational_heads_bias (`str`):
         Attention graph of the relational heads only (a string or one per layer); None = `relational_bias`.
     sliding_window_size (`int`):
@@ -264,8 +261,10 @@ class DualAttentionConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     relational_attn_implementation: str | None = None
 
-    # biases a model of this config accepts (causal LMs narrow it to CAUSAL_BIASES)
-    allowed_relational_biases = RELATIONAL_BIASES
+    # a causal model (its stack is a decoder) takes only the relational biases a decoder may use (`relational_biases`)
+    causal_model: ClassVar[bool] = False
+    # the forward tensors a relational bias may be built from (`RelationalBias.inputs`) that this config's models take
+    bias_inputs: ClassVar[tuple[str, ...]] = ("graph_adjacency",)
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -382,11 +381,9 @@ class DualAttentionConfig(PreTrainedConfig):
         the last `sliding_window` tokens) where both head types use the `sliding_window` graph, else
         `full_attention`. A bias's mask is built once per forward for every layer, sized by one kind of cache layer,
         so a model where some layer has the window on one head type only keeps full layers."""
-        biases = self.layer_biases()
-        one_sided = any((sensory == "sliding_window") != (relational == "sliding_window")
-                        for sensory, relational in biases)
-        return ["sliding_attention" if not one_sided and sensory == "sliding_window" else "full_attention"
-                for sensory, _ in biases]
+        windows = [tuple(layer_type(bias) == "sliding_attention" for bias in pair) for pair in self.layer_biases()]
+        one_sided = any(sensory != relational for sensory, relational in windows)
+        return ["sliding_attention" if not one_sided and sensory else "full_attention" for sensory, _ in windows]
 
     @property
     def sliding_window(self) -> int | None:
@@ -409,16 +406,16 @@ class DualAttentionConfig(PreTrainedConfig):
         if self.is_encoder_decoder:
             return [f"{type(self).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"
                     ] + ([release] if release else [])
-        limits = []
+        limits, served = [], paged_biases()
         for name, bias in (("relational_bias", self.relational_bias), ("relational_heads_bias",
                                                                         self.relational_heads_bias)):
             for value in dict.fromkeys(bias if isinstance(bias, list) else [bias]):
-                if value is not None and value not in PAGED_BIASES:
-                    limits.append(f"`{name}`={value!r} (continuous batching serves {list(PAGED_BIASES)})")
-        if not limits and any((sensory == "sliding_window") != (relational == "sliding_window")
+                if value is not None and value not in served:
+                    limits.append(f"`{name}`={value!r} (continuous batching serves {served})")
+        if not limits and any(layer_type(sensory) != layer_type(relational)
                               for sensory, relational in self.layer_biases()):
-            limits.append("a layer whose sensory and relational heads have different biases, one of them "
-                          "'sliding_window' (`relational_heads_bias`): the manager builds one mask per layer")
+            limits.append("a layer whose sensory and relational heads have different biases, one of them a sliding "
+                          "window (`relational_heads_bias`): the manager builds one mask per layer")
         if self.relational_attn_implementation == "flex_attention":
             limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "
                           "tensors; leave it unset or use 'sdpa'/'eager')")
@@ -493,27 +490,12 @@ class DualAttentionConfig(PreTrainedConfig):
         self._validate_biases()
 
     def _validate_biases(self):
+        """The bias fields against the registry of relational biases (`relational_biases.check_bias_field`)."""
         for field_name in ("relational_bias", "relational_heads_bias"):
             value = getattr(self, field_name)
-            if value is None and field_name == "relational_heads_bias":
-                continue
-            values = value if isinstance(value, list) else [value]
-            if isinstance(value, list) and len(value) != self.num_hidden_layers:
-                raise ValueError(
-                    f"`{field_name}` has {len(value)} entries but `num_hidden_layers` is {self.num_hidden_layers}."
-                )
-            for bias in values:
-                if bias not in RELATIONAL_BIASES:
-                    raise ValueError(f"`{field_name}` entries must be in {list(RELATIONAL_BIASES)}, got {bias!r}.")
-                if bias not in self.allowed_relational_biases:
-                    raise ValueError(
-                        f"`{field_name}`={bias!r} is not allowed for `{self.model_type}` models "
-                        f"(allowed: {list(self.allowed_relational_biases)})."
-                    )
-                if bias.startswith("sliding_window") and self.sliding_window_size is None:
-                    raise ValueError(f"`{field_name}`={bias!r} needs `sliding_window_size` to be set.")
-                if bias == "sparse" and self.sparse_block_size is None and self.sparse_edges is None:
-                    raise ValueError(f"`{field_name}`='sparse' needs `sparse_block_size` or `sparse_edges`.")
+            if value is not None or field_name == "relational_bias":
+                check_bias_field(self, field_name, value, self.num_hidden_layers, "num_hidden_layers",
+                                 self.causal_model, self.bias_inputs)
         if not isinstance(self.sparse_global_tokens, int) or self.sparse_global_tokens < 0:
             raise ValueError(f"`sparse_global_tokens` must be a non-negative integer, got {self.sparse_global_tokens!r}.")
         if self.sparse_edges is not None:
@@ -539,7 +521,7 @@ class DATConfig(DualAttentionConfig):
 
     model_type = "dat"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]  # (the cache field: 5.24+, earlier)
-    allowed_relational_biases = CAUSAL_BIASES
+    causal_model = True
 
     vocab_size: int = 32000
     tie_word_embeddings: bool = True
@@ -586,7 +568,6 @@ class DATEncoderConfig(DualAttentionConfig):
     """
 
     model_type = "dat_encoder"
-    allowed_relational_biases = RELATIONAL_BIASES
 
     relational_bias: str | list[str] = "full"
     vocab_size: int = 32000

@@ -14,16 +14,15 @@ from huggingface_hub.dataclasses import strict
 from transformers.utils import auto_docstring
 
 from .configuration_dat import (
-    CAUSAL_BIASES,
     DUAL_ATTENTION_ARGS,
     POSITION_EMBEDDINGS,
-    RELATIONAL_BIASES,
     DualAttentionConfig,
     _check_choice,
     _check_layers,
     _check_positive,
     dual_attention_tp_plan,
 )
+from .relational_biases import check_bias_field
 
 CROSS_ATTENTION_TYPES = ("sensory", "dual")
 
@@ -96,7 +95,8 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     # (the cache field: "cache" from Transformers 5.24, "past_key_values" before)
     keys_to_ignore_at_inference = ["cache", "past_key_values", "encoder_last_hidden_state"]
     attribute_map = {"decoder_layers": "num_hidden_layers"}
-    allowed_relational_biases = CAUSAL_BIASES
+    causal_model = True  # (the decoder's biases; the encoder's are checked by `_validate_encoder`)
+    bias_inputs = ()  # no per-input graph: neither stack takes `graph_adjacency`
     tp_plan_absent = ("embed_tokens",)  # its embeddings are `encoder.embed_tokens` and `decoder.embed_tokens`
 
     is_encoder_decoder: bool = True
@@ -179,19 +179,29 @@ class DATSeq2SeqConfig(DualAttentionConfig):
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_seq2seq(self):
-        """Raise a ValueError naming the field for every invalid seq2seq value or combination."""
+        """Raise a ValueError naming the field for every invalid seq2seq value or combination (the shared
+        dual-attention fields and the decoder's biases are `DualAttentionConfig`'s)."""
+        self._validate_vocabularies()
+        self._validate_cross_attention()
+        self._validate_encoder()
+
+    def _validate_vocabularies(self):
+        """The source and target vocabularies and the special token ids."""
         _check_positive("vocab_size", self.vocab_size)
-        _check_layers("encoder_layers", self.encoder_layers)
         _check_positive("encoder_vocab_size", self.encoder_vocab_size, allow_none=True)
-        _check_positive("encoder_max_position_embeddings", self.encoder_max_position_embeddings, allow_none=True)
-        if self.encoder_position_embedding_type is not None:
-            _check_choice("encoder_position_embedding_type", self.encoder_position_embedding_type, POSITION_EMBEDDINGS)
-        _check_choice("cross_attention", self.cross_attention, CROSS_ATTENTION_TYPES)
         if self.share_embeddings and self.encoder_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"`share_embeddings=True` needs `encoder_vocab_size` ({self.encoder_vocab_size}) == `vocab_size` "
                 f"({self.vocab_size}); set `share_embeddings=False` for separate vocabularies."
             )
+        for name in ("pad_token_id", "decoder_start_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
+                raise ValueError(f"`{name}` must be a token id in [0, vocab_size={self.vocab_size}), got {value!r}.")
+
+    def _validate_cross_attention(self):
+        """The cross-attention's kind, head counts and relation sizes."""
+        _check_choice("cross_attention", self.cross_attention, CROSS_ATTENTION_TYPES)
         for name in ("num_cross_attention_heads", "num_cross_relational_heads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -235,32 +245,18 @@ class DATSeq2SeqConfig(DualAttentionConfig):
                     f"`num_relations` ({relations}) must divide num_cross_relational_heads * cross head dim "
                     f"({cross_total}) when `relation_dim` is not given."
                 )
+
+    def _validate_encoder(self):
+        """The encoder's depth, positions and relational biases (any self-attention bias its forward can build)."""
+        _check_layers("encoder_layers", self.encoder_layers)
+        _check_positive("encoder_max_position_embeddings", self.encoder_max_position_embeddings, allow_none=True)
+        if self.encoder_position_embedding_type is not None:
+            _check_choice("encoder_position_embedding_type", self.encoder_position_embedding_type, POSITION_EMBEDDINGS)
         enc_pos = self.encoder_position_type
         if enc_pos == "rope" and isinstance(self.hidden_size, int) and (self.hidden_size // max(self.num_attention_heads, 1)) % 2:
             raise ValueError("RoPE in the encoder needs an even head dimension (`encoder_position_embedding_type`).")
-        bias = self.encoder_relational_bias
-        values = bias if isinstance(bias, list) else [bias]
-        if isinstance(bias, list) and len(bias) != self.encoder_layers:
-            raise ValueError(
-                f"`encoder_relational_bias` has {len(bias)} entries but `encoder_layers` is {self.encoder_layers}."
-            )
-        for value in values:
-            if value not in RELATIONAL_BIASES:
-                raise ValueError(f"`encoder_relational_bias` entries must be in {list(RELATIONAL_BIASES)}, got {value!r}.")
-            if value == "graph":
-                raise ValueError("`encoder_relational_bias='graph'` is not supported by the seq2seq model.")
-            if value.startswith("sliding_window") and self.sliding_window_size is None:
-                raise ValueError(f"`encoder_relational_bias`={value!r} needs `sliding_window_size` to be set.")
-            if value == "sparse" and self.sparse_block_size is None and self.sparse_edges is None:
-                raise ValueError("`encoder_relational_bias`='sparse' needs `sparse_block_size` or `sparse_edges`.")
-        for name in ("relational_bias", "relational_heads_bias"):
-            decoder_bias = getattr(self, name)
-            if decoder_bias is not None and "graph" in (decoder_bias if isinstance(decoder_bias, list) else [decoder_bias]):
-                raise ValueError(f"`{name}='graph'` is not supported by the seq2seq decoder.")
-        for name in ("pad_token_id", "decoder_start_token_id", "bos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
-                raise ValueError(f"`{name}` must be a token id in [0, vocab_size={self.vocab_size}), got {value!r}.")
+        check_bias_field(self, "encoder_relational_bias", self.encoder_relational_bias, self.encoder_layers,
+                         "encoder_layers", decoder=False, inputs=self.bias_inputs)
 
 
 __all__ = ["DATSeq2SeqConfig"]

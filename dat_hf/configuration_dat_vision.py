@@ -13,7 +13,6 @@ from transformers.utils import auto_docstring
 
 from .configuration_dat import (
     DUAL_ATTENTION_ARGS,
-    RELATIONAL_BIASES,
     DualAttentionConfig,
     _check_choice,
     _check_positive,
@@ -88,7 +87,6 @@ class DATVisionConfig(DualAttentionConfig):
     """
 
     model_type = "dat_vision"
-    allowed_relational_biases = RELATIONAL_BIASES
 
     image_size: int | list[int] | tuple[int, ...] = 224
     patch_size: int | list[int] | tuple[int, ...] = 16

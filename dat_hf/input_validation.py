@@ -27,6 +27,7 @@ import os
 import torch
 
 from .masking_dat import check_graph_adjacency
+from .relational_biases import inputs_of
 
 ENABLED = os.environ.get("DAT_HF_VALIDATE_INPUTS", "1").strip().lower() not in ("0", "false", "off", "no")
 IGNORE_INDEX = -100
@@ -213,7 +214,7 @@ def validate_positions(config, symbol_retrievers, position_ids, name: str = "pos
 def validate_graph_inputs(config, graph_adjacency, batch_size: int, seq_len: int, cache=None):
     """`graph_adjacency` `[b, n, n]` (bool) for the layers whose relational bias is `graph` (no KV cache)."""
     # CODEPATH: input check. The `graph` bias (a dat_hf feature, no released checkpoint) takes an adjacency per input.
-    if not ENABLED or not any("graph" in pair for pair in config.layer_biases()):
+    if not ENABLED or "graph_adjacency" not in inputs_of(bias for pair in config.layer_biases() for bias in pair):
         return
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("The `graph` relational bias does not support a KV cache (`graph_adjacency` is per input).")

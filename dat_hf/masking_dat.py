@@ -8,7 +8,8 @@ Each bias is an attention graph (receiver i may attend to sender j), as in "On t
 attention": `full` (complete graph), `causal` (total order), `sliding_window` (the p previous tokens and itself),
 `sliding_window_bidirectional` (|i - j| <= p), `sparse` (a fixed graph from the config: local blocks plus global
 tokens, or explicit edges) and `graph` (an adjacency given with each input). Encoder-decoder cross-attention is the
-bipartite graph `bipartite` (every target token to every unpadded source token).
+bipartite graph `bipartite` (every target token to every unpadded source token). What each bias is (ordered or not,
+a window, its mask function) comes from its entry in the registry, `relational_biases.py`; the masks are built here.
 
 Masks are built once per forward with Transformers' `masking_utils`, in one dense form (None when nothing is
 masked or plain causal order applies, else bool `[b, 1, q, kv]`; every backend and the eager functions take it),
@@ -29,6 +30,7 @@ from transformers.masking_utils import (create_bidirectional_mask, create_bidire
                                         sliding_window_causal_mask_function)
 
 from .cache_dat import ring_layer
+from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, relational_bias
 from .transformers_compat import cache_kwargs
 
 
@@ -162,51 +164,6 @@ class AttentionMask:
             return None
         positions = receiver_positions(q_len, kv_len, device, 0, start, end)[:, None]  # sees senders j <= its position
         return (torch.arange(kv_len, device=device)[None, :] <= positions)[None, None]
-
-
-def _token_positions(attention_mask):
-    """Each token's index among the real tokens of its row (`[b, kv]`), so that padding does not move a fixed graph;
-    None without a 2-D padding mask (cache indices are then the positions)."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return None
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _sparse_function(config, device, positions=None):
-    """The fixed `sparse` graph over token positions (real tokens only: padding never shifts it)."""
-    block, n_global = config.sparse_block_size, config.sparse_global_tokens
-    edges = None
-    # CODEPATH: no released checkpoint; dat_hf's `sparse` relational bias given as an explicit edge list (else local
-    # blocks and global tokens only).
-    if config.sparse_edges:
-        size = max(max(e) for e in config.sparse_edges) + 1
-        edges = torch.zeros(size, size, dtype=torch.bool, device=device)
-        index = torch.tensor(config.sparse_edges, device=device)
-        edges[index[:, 0], index[:, 1]] = True
-
-    def sparse_fn(batch_idx, head_idx, q_idx, kv_idx):
-        if positions is not None:  # (a static cache's slots beyond the padding mask hold no tokens yet)
-            last = positions.shape[1] - 1
-            q_idx, kv_idx = positions[batch_idx, q_idx.clamp(max=last)], positions[batch_idx, kv_idx.clamp(max=last)]
-        allowed = q_idx == kv_idx
-        if block is not None:
-            allowed = allowed | (torch.div(q_idx, block, rounding_mode="floor") == torch.div(kv_idx, block, rounding_mode="floor"))
-        if n_global > 0:
-            allowed = allowed | (q_idx < n_global) | (kv_idx < n_global)
-        if edges is not None:
-            n = edges.shape[0]
-            inside = (q_idx < n) & (kv_idx < n)
-            allowed = allowed | (inside & edges[q_idx.clamp(max=n - 1), kv_idx.clamp(max=n - 1)])
-        return allowed
-
-    return sparse_fn
-
-
-def _graph_function(adjacency: torch.Tensor):
-    def graph_fn(batch_idx, head_idx, q_idx, kv_idx):
-        return adjacency[batch_idx, q_idx, kv_idx]
-
-    return graph_fn
 
 
 def check_graph_adjacency(adjacency, batch_size: int, seq_len: int):
@@ -408,15 +365,18 @@ def build_attention_mask(
     causal: bool = True,
     receiver_blocks: bool = True,
 ) -> AttentionMask:
-    """Build the mask of one relational bias. `causal` intersects every bias with the causal order (decoders);
-    `receiver_blocks=False` skips finding the blocks of receivers (a mask built ahead, whose blocks are not kept)."""
+    """Build the mask of one relational bias (its registry entry, `relational_biases.py`, says how). `causal`
+    intersects every bias with the causal order (decoders); `receiver_blocks=False` skips finding the blocks of
+    receivers (a mask built ahead, whose blocks are not kept)."""
+    entry = relational_bias(bias)
+    if entry.cross:
+        raise ValueError(f"{bias!r} is a cross-attention graph: `build_cross_attention_mask` builds it.")
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.bool()
-    if bias == "sliding_window_bidirectional" and causal:
-        bias = "sliding_window"  # (the causal order keeps one side of the window)
-    if bias in ("sliding_window", "sliding_window_bidirectional"):
-        # Transformers' own window masks (index arithmetic), in their convention
-        two_sided = bias == "sliding_window_bidirectional"
+    ordered = is_ordered(bias, causal)
+    if entry.window:
+        # Transformers' own window masks (index arithmetic), in their convention; the causal order keeps one side
+        two_sided = not ordered
         create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
         previous = config.sliding_window_size
         window = transformers_window(previous, two_sided)
@@ -432,16 +392,9 @@ def build_attention_mask(
         ring = ring_layer(cache)  # (a one-token step over a ring cache: its keys in slot order)
         if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
             dense, block = in_slots, None if block is None else in_slots
-        return _with_row_validity(dense, is_causal=not two_sided, block_mask=block, receiver_blocks=receiver_blocks)
-    and_fn = None
-    if bias == "sparse":
-        and_fn = _sparse_function(config, inputs_embeds.device, _token_positions(attention_mask))
-    elif bias == "graph":
-        and_fn = _graph_function(graph_adjacency)
-    elif bias not in ("full", "causal"):
-        raise ValueError(f"Unknown relational bias {bias!r}.")
-    # `causal` is an ordered graph in any model (also bidirectional encoders)
-    ordered = bias == "causal" or (causal and bias != "full")
+        return _with_row_validity(dense, is_causal=ordered, block_mask=block, receiver_blocks=receiver_blocks)
+    and_fn = None if entry.mask_function is None else entry.mask_function(
+        config, inputs_embeds.device, attention_mask=attention_mask, graph_adjacency=graph_adjacency)
     if ordered:
         masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               **cache_kwargs(cache), position_ids=position_ids, and_mask_function=and_fn)
@@ -453,12 +406,13 @@ def build_attention_mask(
 
 
 def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, encoder_attention_mask) -> AttentionMask:
-    """The bipartite graph of encoder-decoder attention: every target token to every unpadded source token."""
+    """The bipartite graph of encoder-decoder attention (`CROSS_ATTENTION_BIAS`): every target token to every
+    unpadded source token."""
     if encoder_attention_mask is not None and encoder_attention_mask.dtype != torch.bool:
         encoder_attention_mask = encoder_attention_mask.bool()
     dense, block = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
                                  attention_mask=encoder_attention_mask, encoder_hidden_states=encoder_hidden_states)
-    return _with_row_validity(dense, is_causal=False, block_mask=block)
+    return _with_row_validity(dense, is_causal=relational_bias(CROSS_ATTENTION_BIAS).ordered, block_mask=block)
 
 
 def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, AttentionMask]:
@@ -468,24 +422,21 @@ def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, At
     missing = set(biases) - set(masks)
     if missing:
         raise ValueError(f"`attention_mask` as a dict must hold a mask for every relational bias; missing {missing}.")
-    return {bias: _with_row_validity(masks[bias], is_causal=bias in ("causal", "sliding_window") or (
-        causal and bias != "full"), block_mask=masks[bias] if flex else None) for bias in dict.fromkeys(biases)}
-
-
-# the biases continuous batching serves, and the layer type whose mask Transformers' manager builds for each
-PAGED_LAYER_TYPES = {"causal": "full_attention", "sliding_window": "sliding_attention"}
+    return {bias: _with_row_validity(masks[bias], is_causal=is_ordered(bias, causal),
+                                     block_mask=masks[bias] if flex else None) for bias in dict.fromkeys(biases)}
 
 
 def paged_masks(attention_mask, biases) -> dict[str, AttentionMask]:
     """Continuous batching's masks -> `{bias: AttentionMask}`. The manager builds one additive mask `[1, 1, M, N]`
     per cache layer type (a dict `{layer type: mask}` when the model has both): each request's new tokens over the
-    tokens the paged cache reads back for it, in causal order (and its sliding window); 0 where it attends."""
+    tokens the paged cache reads back for it, in causal order (and its sliding window); 0 where it attends. Each bias
+    takes the mask of its layer type (`RelationalBias.layer_type`)."""
     if attention_mask is None:
         raise ValueError("Continuous batching gave no attention mask: DAT's heads run with 'sdpa' or 'eager' "
                          "(`attn_implementation`), for which Transformers' manager builds one.")
     masks = {}
     for bias in dict.fromkeys(biases):
-        mask = attention_mask[PAGED_LAYER_TYPES[bias]] if isinstance(attention_mask, dict) else attention_mask
+        mask = attention_mask[relational_bias(bias).layer_type] if isinstance(attention_mask, dict) else attention_mask
         # as bool (what the compiled kernels take); receiver blocks skip the senders of other requests (with fewer
         # receivers than two blocks, one block would span every request's senders: not looked for, e.g. in a
         # decoding step)
@@ -513,5 +464,5 @@ def build_masks(biases, config, inputs_embeds, attention_mask, cache=None, posit
     }
 
 
-__all__ = ["PAGED_LAYER_TYPES", "AttentionMask", "SlidingWindow", "build_attention_mask", "build_cross_attention_mask",
+__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "build_cross_attention_mask",
            "build_masks", "check_graph_adjacency", "paged_masks", "prebuildable", "prebuilt_masks"]

@@ -16,16 +16,21 @@ Biases and the symmetry each keeps (see docs/relational_biases.md):
 - sliding window with a KV cache: cached greedy generation and incremental logits equal the uncached ones past the
   window.
 - every bias's masks move with a layer to its device (a model spread over devices by `device_map`).
+- the registry (`relational_biases.py`): a toy bias added by one entry runs in a model (its weights zero exactly off
+  its graph), the configs validate against the registry, and each entry's `ordered` flag agrees with its masks.
 The encoder-decoder (bipartite) source-permutation property is tested with the seq2seq model.
 """
 
+import contextlib
 from unittest import mock
 
 import pytest
 import torch
 
-from dat_hf import DATConfig, DATEncoderConfig, DATEncoderModel, DATForCausalLM, DATModel
+from dat_hf import DATConfig, DATEncoderConfig, DATEncoderModel, DATForCausalLM, DATModel, DATSeq2SeqConfig
 from dat_hf import masking_dat
+from dat_hf.relational_biases import (CROSS_ATTENTION_BIAS, RELATIONAL_BIASES, RelationalBias, is_ordered,
+                                      register_relational_bias, unregister_relational_bias)
 from dat_hf.dual_attention import DualAttention
 from dat_hf.attention_plan import AttentionPlan
 from dat_hf.modeling_dat import plan_layers
@@ -781,3 +786,148 @@ def test_masks_follow_a_layer_to_its_device(case):
         moved = mask.to("meta")
         for tensor in (moved._mask, moved.row_valid, None if moved.window is None else moved.window.padding):
             assert tensor is None or tensor.device.type == "meta"
+
+
+# ---- the registry of relational biases: adding a bias is one entry ------------------------------------------------
+def every_other_token(config, device, attention_mask=None, graph_adjacency=None):
+    """A toy graph's mask function: receiver i attends to the senders j of its parity (i - j even)."""
+    return lambda batch_idx, head_idx, q_idx, kv_idx: (q_idx - kv_idx) % 2 == 0
+
+
+TOY = RelationalBias("every_other_token", relations="the tokens of the same parity",
+                     symmetry="translations by even offsets", ordered=False, mask_function=every_other_token)
+
+
+@contextlib.contextmanager
+def registered(*biases):
+    """The registry with `biases` added, as it was afterwards."""
+    for bias in biases:
+        register_relational_bias(bias)
+    try:
+        yield
+    finally:
+        for bias in biases:
+            unregister_relational_bias(bias.name)
+
+
+def parity_graph(n):
+    return (torch.arange(n)[:, None] - torch.arange(n)[None, :]) % 2 == 0
+
+
+@pytest.mark.parametrize("encoder", [False, True])
+def test_a_registered_bias_runs_in_a_model(encoder):
+    """A bias added by one registry entry (its mask function) runs in a model: every head's attention weights are
+    zero exactly off its graph (intersected with the causal order and the padding in the causal LM) and positive on
+    it. In the causal LM only the relational heads take it (`relational_heads_bias`), the sensory heads stay causal."""
+    n = 7
+    with registered(TOY):
+        if encoder:
+            model = make_model(encoder=True, impl="eager", relational_bias=TOY.name)
+            padding = torch.ones(2, n, dtype=torch.long)
+        else:
+            model = make_model(impl="eager", cls=DATForCausalLM, relational_heads_bias=TOY.name)
+            padding = torch.ones(2, n, dtype=torch.long)
+            padding[1, :2] = 0  # left padding: receivers 0 and 1 of row 1 see no sender of their parity
+        assert model.config.layer_biases()[0] == (("causal", TOY.name) if not encoder else (TOY.name, TOY.name))
+        ids = torch.randint(1, 97, (2, n), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            out = model(ids, attention_mask=padding, output_attentions=True)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    relational = parity_graph(n) if encoder else parity_graph(n) & causal
+    sensory = relational if encoder else causal
+    for weights in out.attentions:  # [b, heads, n, n]: 2 sensory heads, then 2 relational heads
+        assert weights.shape == (2, 4, n, n)
+        for heads, graph in ((slice(0, 2), sensory), (slice(2, 4), relational)):
+            allowed = (graph[None] & padding.bool()[:, None, :])[:, None].expand(2, 2, n, n)
+            w = weights[:, heads]
+            assert (w[~allowed] == 0).all()
+            assert (w[allowed] > 0).all()
+            has_sender = allowed.any(-1)
+            assert torch.allclose(w.sum(-1)[has_sender], torch.ones(()), atol=1e-5)
+            assert (w.sum(-1)[~has_sender] == 0).all()  # (isolated receivers: zero output, zero weights)
+
+
+def test_config_validation_reads_the_registry():
+    """The configs accept a registered bias where its entry allows it (a causal LM needs `decoder`; its config fields
+    must be set) and refuse unknown names, naming the field and the registered biases."""
+    needs_block = RelationalBias("blocks_only", relations="local blocks", symmetry="block translations",
+                                 ordered=False, decoder=False, config_fields=("sparse_block_size",),
+                                 mask_function=every_other_token)
+    seq2seq = dict(vocab_size=16, encoder_layers=1, **{k: v for k, v in BASE.items() if k != "num_hidden_layers"},
+                   num_hidden_layers=1)
+    with registered(TOY, needs_block):
+        assert make_config(relational_bias=TOY.name).relational_bias == TOY.name
+        assert make_config(encoder=True, relational_heads_bias=[TOY.name, "full"]).layer_bias(0, True) == TOY.name
+        assert DATSeq2SeqConfig(encoder_relational_bias=TOY.name, **seq2seq).encoder_relational_bias == TOY.name
+        assert make_config(encoder=True, relational_bias="blocks_only", sparse_block_size=2).sparse_block_size == 2
+        with pytest.raises(ValueError, match=r"`relational_bias`='blocks_only' is not allowed for `dat` models "
+                                             r"\(allowed: \[.*'every_other_token'\]\)"):
+            make_config(relational_bias="blocks_only", sparse_block_size=2)
+        with pytest.raises(ValueError, match=r"`relational_bias`='blocks_only' needs `sparse_block_size` to be set"):
+            make_config(encoder=True, relational_bias="blocks_only")
+        with pytest.raises(ValueError, match=r"`relational_heads_bias` entries must be in \[.*'every_other_token', "
+                                             r"'blocks_only'\], got 'zigzag'"):
+            make_config(relational_heads_bias="zigzag")
+        with pytest.raises(ValueError, match=r"`encoder_relational_bias` entries must be in .*, got 'zigzag'"):
+            DATSeq2SeqConfig(encoder_relational_bias="zigzag", **seq2seq)
+        with pytest.raises(ValueError, match=r"`encoder_relational_bias`='graph' needs `graph_adjacency` with each "
+                                             r"input, which `dat_seq2seq` models do not take"):
+            DATSeq2SeqConfig(encoder_relational_bias="graph", **seq2seq)
+        with pytest.raises(ValueError, match="already registered"):
+            register_relational_bias(TOY)
+        # the cross-attention graph is no self-attention bias
+        with pytest.raises(ValueError, match=r"`relational_bias` entries must be in .*, got 'bipartite'"):
+            make_config(encoder=True, relational_bias=CROSS_ATTENTION_BIAS)
+    assert TOY.name not in RELATIONAL_BIASES and "blocks_only" not in RELATIONAL_BIASES
+    with pytest.raises(ValueError, match=r"`relational_bias` entries must be in .*, got 'every_other_token'"):
+        make_config(encoder=True, relational_bias=TOY.name)
+    with pytest.raises(ValueError, match=r"Unknown relational bias 'every_other_token'; registered: \[.*'graph'"):
+        masking_dat.build_attention_mask(TOY.name, make_config(encoder=True), torch.zeros(1, 3, 32), None)
+
+
+@pytest.mark.parametrize("name", list(RELATIONAL_BIASES) + [TOY.name])
+def test_ordered_flag_agrees_with_the_built_masks(name):
+    """Each entry's `ordered` <=> the mask built in an encoder is causal (no sender after its receiver), as
+    `AttentionMask.is_causal` says; in a causal model every bias's mask is causal; masks built ahead (compiled
+    decoding) follow the same rule (`is_ordered`)."""
+    n = 8
+    config = make_config(encoder=True, sliding_window_size=2, sparse_block_size=4)
+    x = torch.zeros(2, n, 32)
+    with registered(TOY) if name == TOY.name else contextlib.nullcontext():
+        bias = RELATIONAL_BIASES[name]
+        if bias.cross:
+            masks = {False: masking_dat.build_cross_attention_mask(config, x, torch.zeros(2, n + 1, 32), None)}
+        else:
+            adjacency = torch.ones(2, n, n, dtype=torch.bool) if bias.inputs else None
+            masks = {causal: masking_dat.build_attention_mask(name, config, x, None, graph_adjacency=adjacency,
+                                                              causal=causal) for causal in (False, True)}
+        for causal, mask in masks.items():
+            allowed = as_allowed(mask, n)
+            ordered = not allowed[..., :n].triu(1).any()
+            assert mask.is_causal == ordered == is_ordered(name, causal) == (bias.ordered or causal)
+            if not bias.cross:
+                ahead = masking_dat.prebuilt_masks({name: masking_dat.prebuildable(mask)}, [name], causal)[name]
+                assert ahead.is_causal == mask.is_causal
+
+
+def test_bias_names_are_literals_only_in_the_registry():
+    """Outside `relational_biases.py`, a bias name is written only as a config field's default (class-level
+    `relational_bias: ... = "full"`) or as a config value converted from the authors' checkpoints (conversion*.py):
+    masks, plans, caches and validation read the registry."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(masking_dat.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if "training" in path.parts or path.name == "relational_biases.py" or path.name.startswith("conversion"):
+            continue
+        tree = ast.parse(path.read_text())
+        allowed = {id(node.body[0].value) for node in ast.walk(tree)  # docstrings
+                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                   and isinstance(node.body[0], ast.Expr)}
+        allowed |= {id(item.value) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)  # field defaults
+                    for item in node.body if isinstance(item, ast.AnnAssign) and item.value is not None}
+        found += [f"{path.name}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in RELATIONAL_BIASES and id(node) not in allowed]
+    assert not found, found
