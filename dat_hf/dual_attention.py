@@ -14,15 +14,18 @@ Relational heads send, for receiver i and head h,
 through the relational attention interface (`relational_attention.py`: the reference and the named backends).
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .attention_plan import PlannedRelational, PlannedSensory, eager_attention_forward, eager_attention_weights
+from .attention_plan import PlannedRelational, PlannedSensory
 from .cache_dat import PagedCache, query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
-                                   relational_weights, repeat_kv)
+                                   relational_weights)
+from .sensory_attention import eager_attention_forward, eager_attention_weights, repeat_kv
 from .tensor_parallel_dat import (GATHER_STYLE, column_sharded, local_rows, local_tensor, localize_heads,
                                   plan_rule, sharded_projections)
 
@@ -63,7 +66,7 @@ class DATRotaryEmbedding(nn.Module):
 FUSED_PROJECTION_MIN_ROWS = 64
 
 
-def _is_plain_linear(module) -> bool:
+def is_plain_linear(module) -> bool:
     """An `nn.Linear` whose call is its own: no hooks, no forward installed on the instance (tensor parallelism's
     sharding styles, Accelerate's device hooks)."""
     return (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
@@ -78,7 +81,7 @@ def fused_linear(linears, x):
     `torch.export` traces: the choice would fix the exported program's batch and length). x `[..., d]` -> `[...,
     sum of out_features]`."""
     long = torch.compiler.is_exporting() or x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS
-    if long and all(map(_is_plain_linear, linears)):
+    if long and all(map(is_plain_linear, linears)):
         weight = torch.cat([linear.weight for linear in linears])
         bias = None
         if any(linear.bias is not None for linear in linears):
@@ -87,6 +90,44 @@ def fused_linear(linears, x):
         return nn.functional.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # 2-d: one BLAS call per projection, no views around it (decoding is op-bound)
     return torch.cat([linear(rows) for linear in linears], dim=-1).view(*x.shape[:-1], -1)
+
+
+class FusedProjections(NamedTuple):
+    """Several projections of one input computed as one matrix product and split into parts (`project_fused`).
+    `projections`: (head type, attribute) pairs, in the order of the fused output, looked up per call (adapters such as
+    PEFT's replace the modules); `widths`: each part's output features (a part may hold consecutive projections, e.g.
+    the keys and queries of every head); under tensor parallelism, `local_widths`: the features each part's
+    projections compute on this rank, and `sharded`: whether some are sharded. Tuples: Dynamo guards them as
+    constants."""
+
+    projections: tuple
+    widths: tuple
+    local_widths: tuple
+    sharded: bool
+
+    @classmethod
+    def plan(cls, sensory, relational, parts: list) -> "FusedProjections":
+        """`parts`: (its projections as (head type, attribute) pairs, its width) per part, from the heads' counts."""
+        projections = tuple(projection for names, _ in parts for projection in names)
+        linears = dict(zip(projections, head_linears(sensory, relational, projections)))
+        rows = {projection: local_rows(linear) for projection, linear in linears.items()}  # this rank's features
+        local_widths = tuple(sum(rows[projection] for projection in names) for names, _ in parts)
+        sharded = any(linear.weight.shape[0] != rows[projection] for projection, linear in linears.items())
+        return cls(projections, tuple(width for _, width in parts), local_widths, sharded)
+
+
+def head_linears(sensory, relational, projections) -> list:
+    """The modules named by (head type, attribute) pairs, looked up now."""
+    return [getattr(relational if owner == "relational" else sensory, name) for owner, name in projections]
+
+
+def project_fused(fused: FusedProjections, sensory, relational, x) -> list:
+    """The parts of `fused` for x `[b, n, d]`: `[b, n, width]` each (`fused_linear`; under tensor parallelism this
+    rank's own output features, the relation projections' gathered whole: `sharded_projections`)."""
+    linears = head_linears(sensory, relational, fused.projections)
+    if fused.sharded and all(map(column_sharded, linears)):
+        return sharded_projections(linears, x, fused.local_widths, fused.widths)
+    return list(fused_linear(linears, x).split(fused.widths, dim=-1))
 
 
 def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
@@ -316,39 +357,24 @@ class DualAttention(nn.Module):
         own_qk = [m for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
         self._query_heads = tuple(m.num_heads for m in own_qk)
         self._key_heads_total = sum(self.packed.key_heads)
-        # the projections of the layer input, in the order of the fused output: keys [relational | sensory], queries
-        # [relational | sensory], sensory values, relation queries, relation keys; as (owner, attribute) pairs, looked
-        # up per call (adapters such as PEFT's replace the modules)
+        # the projections of the layer input, in the order of the fused output: keys [relational | sensory] and
+        # queries [relational | sensory] (one part), sensory values, relation queries, relation keys
         names = {"relational": ("k_attn_proj", "q_attn_proj"), "sensory": ("k_proj", "q_proj")}
         owners = ["relational" if m is rel else "sensory" for m in own_qk]
-        projections = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
-        widths = [(self._key_heads_total + sum(self._query_heads)) * self.head_dim]
+        keys_queries = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
+        parts = [(keys_queries, (self._key_heads_total + sum(self._query_heads)) * self.head_dim)]
         if sen is not None:
-            projections.append(("sensory", "v_proj"))
-            widths.append(sen.num_kv_heads * self.head_dim)
+            parts.append(([("sensory", "v_proj")], sen.num_kv_heads * self.head_dim))
         if rel is not None:
             relation_projections = ["q_rel_proj"] + ([] if rel.symmetric_relations else ["k_rel_proj"])
-            projections += [("relational", name) for name in relation_projections]
-            widths += [rel.num_relations * rel.relation_dim] * len(relation_projections)
-        # (tuples: Dynamo guards them as constants, and can skip a layer's guards whole while its dicts are unchanged)
-        self._input_projections, self._input_widths = tuple(projections), tuple(widths)
-        # under tensor parallelism: the output features each part's projections compute on this rank (the relation
-        # projections' are gathered whole: `sharded_projections`)
-        linears = [getattr(rel if owner == "relational" else sen, name) for owner, name in projections]
-        rows = [local_rows(linear) for linear in linears]
-        self._local_input_widths = (sum(rows[:2 * len(own_qk)]),) + tuple(rows[2 * len(own_qk):])
-        self._sharded_inputs = any(linear.weight.shape[0] != local for linear, local in zip(linears, rows))
+            parts += [([("relational", name)], rel.num_relations * rel.relation_dim) for name in relation_projections]
+        self.input_projections = FusedProjections.plan(sen, rel, parts)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
-        linears = [getattr(relational if owner == "relational" else sensory, name)
-                   for owner, name in self._input_projections]
-        if self._sharded_inputs and all(map(column_sharded, linears)):  # (tensor parallelism)
-            parts = sharded_projections(linears, hidden_states, self._local_input_widths, self._input_widths)
-        else:
-            parts = list(fused_linear(linears, hidden_states).split(self._input_widths, dim=-1))
+        parts = project_fused(self.input_projections, sensory, relational, hidden_states)
         # [keys | queries] of every head, `[b, n, heads, d_h]`: RoPE once for all, then `[b, heads, n, d_h]` views
         keys_queries = parts.pop(0).view(b, n, -1, self.head_dim)
         if position_embeddings is not None:
@@ -433,5 +459,5 @@ def use_local_heads(model, tp_size: int) -> None:
             module.plan_projections()
 
 
-__all__ = ["DualAttention", "PackedCache", "SensoryAttention", "RelationalAttention", "DATRotaryEmbedding",
-           "apply_rotary", "dual_attention_outputs", "eager_attention_forward", "fused_linear", "use_local_heads"]
+__all__ = ["DualAttention", "FusedProjections", "PackedCache", "SensoryAttention", "RelationalAttention",
+           "DATRotaryEmbedding", "apply_rotary", "project_fused", "dual_attention_outputs", "eager_attention_forward", "fused_linear", "use_local_heads"]

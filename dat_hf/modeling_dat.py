@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -160,7 +160,7 @@ def _identity(x):
 
 
 def init_positions(module, config):
-    """Give `module` what `add_positions` uses: learned position embeddings or a RoPE module (or nothing)."""
+    """Give `module` what `embed_positions` uses: learned position embeddings or a RoPE module (or nothing)."""
     # CODEPATH: learned: the paper's math seq2seq models (their sinusoidal tables, stored as learned embeddings by
     # conversion) and the reference LM's default `pos_enc_type='pos_emb'`; no released checkpoint.
     if config.position_embedding_type == "learned":
@@ -171,14 +171,30 @@ def init_positions(module, config):
         module.rotary_emb = DATRotaryEmbedding(config)
 
 
-def add_positions(module, hidden_states, position_ids, position_embedding_type):
-    """Learned positions are added to the embeddings; RoPE gives `(cos, sin)` for the attention.
-    -> (hidden_states `[b, n, d]`, position_embeddings or None)."""
+def embed_positions(module, inputs_embeds, position_ids, position_embedding_type):
+    """Positions, then embedding dropout (`module.dropout`): learned positions are added to the embeddings, RoPE gives
+    `(cos, sin)` for the attention. inputs_embeds `[b, n, d]` -> (hidden_states `[b, n, d]`, position_embeddings or
+    None)."""
+    hidden_states, position_embeddings = inputs_embeds, None
     if position_embedding_type == "learned":
-        return hidden_states + module.embed_positions(position_ids), None
-    if position_embedding_type == "rope":
-        return hidden_states, module.rotary_emb(hidden_states, position_ids)
-    return hidden_states, None
+        hidden_states = inputs_embeds + module.embed_positions(position_ids)
+    elif position_embedding_type == "rope":
+        position_embeddings = module.rotary_emb(inputs_embeds, position_ids)
+    return module.dropout(hidden_states), position_embeddings
+
+
+def init_dat_stack(model, config, layers: list, uses_symbols: bool, symbol_config=None, final_norm: bool = True):
+    """Give `model` the stack `run_dat_layers` runs: symbol retrievers when `uses_symbols` (built from `symbol_config`,
+    default `config`), the `layers`, and the final norm (an identity without `final_norm`)."""
+    model.symbol_retrievers = SymbolRetrievers(symbol_config or config) if uses_symbols else None
+    model.layers = nn.ModuleList(layers)
+    model.norm = make_norm(config) if final_norm else nn.Identity()
+    model.gradient_checkpointing = False
+
+
+def self_attention_cache(cache):
+    """The cache of the layers' own keys and values: an `EncoderDecoderCache`'s self-attention half, else `cache`."""
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
 
 def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=None, graph_adjacency=None,
@@ -187,6 +203,7 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     once (or given: a dict `{bias: mask}` from `create_masks_for_generate`), its function chosen once per head type
     (`AttentionPlan`)."""
     config = model.config
+    cache = self_attention_cache(cache)
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
     if isinstance(cache, PagedCache):
@@ -194,8 +211,7 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     elif isinstance(attention_mask, dict):
         masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
     else:
-        if "graph" in biases:
-            validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
+        validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
         masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
                             causal=causal)
     plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds),
@@ -242,11 +258,50 @@ def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_le
     return position_ids, (position_ids if positions_given else None)
 
 
-def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, plan, **layer_kwargs):
-    """The DAT stack shared by every model family: each layer gets its symbols (computed once when shared and
-    feature-independent) and the plan entries of its biases. The first `len(layer_biases)` layers run (a config's
-    `num_hidden_layers`, which Transformers lowers for the drafts of self-speculative decoding). `[b, n, d]` ->
-    `[b, n, d]`."""
+def prepare_decoder_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs,
+                           paged=None, prefix=""):
+    """The start of a decoder forward (`DATModel`'s and the seq2seq decoder's): the inputs checked, the tokens
+    embedded, the cache started when asked for (an `EncoderDecoderCache` for an encoder-decoder config) and given
+    DAT's layers, the positions resolved; for continuous batching (`paged`, from `paged_arguments`) the batch's paged
+    cache wrapped (`PagedCache`). `kwargs` loses the output flags that the layers do not take.
+
+    -> (inputs_embeds `[b, n, d]`, cache, position_ids `[b|1, n]`, the positions for the mask builder: see
+    `resolve_position_ids`)."""
+    config = model.config
+    past_seen = self_attention_cache(cache).get_seq_length() if cache is not None and paged is None else 0
+    validate_text_inputs(input_ids, inputs_embeds, attention_mask if paged is None else None, position_ids,
+                         past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
+    if inputs_embeds is None:
+        inputs_embeds = model.embed_tokens(input_ids)
+    batch_size, seq_len, _ = inputs_embeds.shape
+    kwargs.pop("output_relations", None)
+    kwargs.pop("output_hidden_states", None)
+
+    if paged is None:
+        starts_own_cache = starts_cache(model, use_cache, cache)  # (a user's dynamic cache keeps its layers)
+        if starts_own_cache:
+            cache = DynamicCache(config=config)
+            if config.is_encoder_decoder:  # (the seq2seq decoder: its own keys and values, the source's)
+                cache = EncoderDecoderCache(cache, DynamicCache(config=config))
+        if cache is not None:  # DAT's layers: keys and values have their own head counts
+            check_cache(prepare_cache(cache, in_place=starts_own_cache))
+        past_seen = self_attention_cache(cache).get_seq_length() if cache is not None else 0
+    position_ids, mask_positions = resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len,
+                                                        past_seen, inputs_embeds.device, prefix + "position_ids")
+    if paged is not None:
+        cache = PagedCache(cache, paged, position_ids, config)
+    return inputs_embeds, cache, position_ids, mask_positions
+
+
+def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer_biases, plan, source=None,
+                   **layer_kwargs):
+    """The DAT stack shared by every model family. hidden_states `[b, n, d]` -> `[b, n, d]`.
+
+    Layer i gets its symbols `s = SymbolRetriever_i(x)` `[b|1, n, d]` (computed once when the retrievers are shared
+    and feature-independent; none without `symbol_retrievers`) and the plan entries of its (sensory, relational)
+    biases. With `source` (the seq2seq decoder's `CrossAttentionSource`) it also gets the encoder's states `[b, m, d]`
+    and the source tokens' symbols, for its cross-attention. The first `len(layer_biases)` layers run (a config's
+    `num_hidden_layers`, which Transformers lowers for the drafts of self-speculative decoding)."""
     symbols = None
     if symbol_retrievers is not None and symbol_retrievers.shared and symbol_retrievers.feature_independent:
         symbols = symbol_retrievers(0, hidden_states, position_ids)
@@ -254,7 +309,8 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
         layer_symbols = symbols
         if symbol_retrievers is not None and layer_symbols is None:
             layer_symbols = symbol_retrievers(i, hidden_states, position_ids)
-        hidden_states = layer(hidden_states, layer_symbols, sensory_plan=plan.sensory[sensory_bias],
+        cross_inputs = () if source is None else (source.hidden_states, source.symbols(i))
+        hidden_states = layer(hidden_states, layer_symbols, *cross_inputs, sensory_plan=plan.sensory[sensory_bias],
                               relational_plan=plan.relational[relational_bias], **layer_kwargs)
     return hidden_states
 
@@ -275,6 +331,20 @@ def attentions_imply_relations(func):
         return func(self, *args, **kwargs)
 
     return wrapper
+
+
+def stack_forward(forward):
+    """The decorators of a DAT stack's forward (above `auto_docstring`; innermost last): `output_attentions` implies
+    the relations (`attentions_imply_relations`), the config's defaults fill the unset output flags
+    (`merge_with_config_defaults`), and the layers' hidden states, attention weights and relations are recorded
+    (`capture_outputs`, from the model's `_can_record_outputs`)."""
+    return attentions_imply_relations(merge_with_config_defaults(capture_outputs(forward)))
+
+
+def recorded_outputs(outputs) -> dict:
+    """What a head passes on from its DAT stack's output (recorded on request): the hidden states, every head's
+    attention weights and the relations."""
+    return dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions, relations=outputs.relations)
 
 
 def fsdp2_original_class(model):
@@ -454,23 +524,11 @@ class DATModel(DATPreTrainedModel):
         self.dropout = nn.Dropout(config.embedding_dropout)
         # CODEPATH: relational heads, hence symbols: awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M; none: the Transformer
         # baseline awni00/T-sa24-757M.
-        self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
-        self.layers = nn.ModuleList(
-            [DATDecoderLayer(config, i, is_causal=self.is_causal) for i in range(config.num_hidden_layers)]
-        )
-        self.norm = make_norm(config)
-        self.gradient_checkpointing = False
+        layers = [DATDecoderLayer(config, i, is_causal=self.is_causal) for i in range(config.num_hidden_layers)]
+        init_dat_stack(self, config, layers, uses_symbols=config.num_relational_heads > 0)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
-    @attentions_imply_relations
-    @merge_with_config_defaults
-    @capture_outputs
+    @stack_forward
     @auto_docstring
     @takes_cache
     def forward(
@@ -495,31 +553,10 @@ class DATModel(DATPreTrainedModel):
         """
         # continuous batching (`generate_batch`): one packed row of many requests' tokens over a paged cache
         paged = paged_arguments(cache, kwargs)
-        past_seen = cache.get_seq_length() if cache is not None and paged is None else 0
-        validate_text_inputs(input_ids, inputs_embeds, attention_mask if paged is None else None, position_ids,
-                             past_seen, vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        batch_size, seq_len, _ = inputs_embeds.shape
-        kwargs.pop("output_relations", None)
-        kwargs.pop("output_hidden_states", None)
-
-        if paged is None:
-            starts_own_cache = starts_cache(self, use_cache, cache)  # (a user's dynamic cache keeps its layers)
-            if starts_own_cache:
-                cache = DynamicCache(config=self.config)
-            if cache is not None:  # DAT's layers: keys and values have their own head counts
-                check_cache(prepare_cache(cache, in_place=starts_own_cache))
-            past_seen = cache.get_seq_length() if cache is not None else 0
-        position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
-                                                            past_seen, inputs_embeds.device)
-        if paged is not None:
-            cache = PagedCache(cache, paged, position_ids, self.config)
-
-        hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
-                                                           self.config.position_embedding_type)
-        hidden_states = self.dropout(hidden_states)
-
+        inputs_embeds, cache, position_ids, mask_positions = prepare_decoder_inputs(
+            self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, paged)
+        hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
+                                                             self.config.position_embedding_type)
         layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, cache, mask_positions, graph_adjacency,
                                          self.is_causal, kwargs.get("output_attentions", False))
         hidden_states = run_dat_layers(
@@ -630,14 +667,8 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         """
         validate_lm_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
         outputs: DATModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            graph_adjacency=graph_adjacency,
-            **kwargs,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, graph_adjacency=graph_adjacency, **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
@@ -645,12 +676,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return DATCausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **cache_kwargs(output_cache(outputs)),
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            relations=outputs.relations,
+            loss=loss, logits=logits, **cache_kwargs(output_cache(outputs)), **recorded_outputs(outputs)
         )
 
 
@@ -810,10 +836,7 @@ class DATForTokenClassification(DATPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
-        return DATTokenClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            relations=outputs.relations,
-        )
+        return DATTokenClassifierOutput(loss=loss, logits=logits, **recorded_outputs(outputs))
 
 
 __all__ = [

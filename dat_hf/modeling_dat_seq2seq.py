@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -33,14 +33,12 @@ from transformers.modeling_outputs import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils.output_capturing import OutputRecorder
 
 from .attention_plan import AttentionPlan, gradients_flow
-from .cache_dat import check_cache, prepare_cache
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .dual_attention import (DualAttention, PackedCache, RelationalAttention, SensoryAttention, dual_attention_outputs,
-                             fused_linear)
+from .dual_attention import (DualAttention, FusedProjections, PackedCache, RelationalAttention, SensoryAttention,
+                             dual_attention_outputs, project_fused)
 from .input_validation import (
     validate_encoder_states,
     validate_positions,
@@ -49,6 +47,7 @@ from .input_validation import (
     validate_text_inputs,
 )
 from .masking_dat import build_cross_attention_mask, build_masks
+from .relational_biases import CROSS_ATTENTION_BIAS
 from .modeling_dat import (
     DAT_OUTPUT_ARGS,
     DATMLP,
@@ -56,16 +55,16 @@ from .modeling_dat import (
     DATGenerationMixin,
     DATModel,
     DATPreTrainedModel,
-    add_positions,
-    attentions_imply_relations,
+    embed_positions,
+    init_dat_stack,
     init_positions,
     make_norm,
     plan_layers,
-    resolve_position_ids,
+    prepare_decoder_inputs,
     run_dat_layers,
-    starts_cache,
+    self_attention_cache,
+    stack_forward,
 )
-from .symbol_retrieval import SymbolRetrievers
 from .transformers_compat import cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
 
@@ -119,6 +118,27 @@ def source_position_ids(attention_mask, batch_size, length, device):
     if attention_mask is not None and attention_mask.dim() == 2:
         return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return torch.arange(length, device=device)[None].expand(batch_size, -1)
+
+
+class CrossAttentionSource:
+    """The source side of the decoder layers' cross-attention in one forward (`run_dat_layers`): the encoder's states
+    `[b, m, d]` and, for relational cross heads (`dual`), the source tokens' symbols `s_i(x_enc)` `[b|1, m, d]`, made
+    by the decoder's retrievers for layer i unless its cross-attention cache layer holds their values already (they
+    are computed once per generation)."""
+
+    def __init__(self, hidden_states, attention_mask, symbol_retrievers, cache, relational: bool):
+        self.hidden_states = hidden_states
+        self.symbol_retrievers = symbol_retrievers if relational else None
+        self.cache = cache
+        self.positions = None
+        if relational:
+            batch_size, length = hidden_states.shape[:2]
+            self.positions = source_position_ids(attention_mask, batch_size, length, hidden_states.device)
+
+    def symbols(self, layer_idx: int):
+        if self.symbol_retrievers is None or (self.cache is not None and self.cache.is_updated.get(layer_idx)):
+            return None
+        return self.symbol_retrievers(layer_idx, self.hidden_states, self.positions)
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int | None, decoder_start_token_id: int | None):
@@ -210,19 +230,30 @@ class DATCrossAttention(nn.Module):
         self.plan_projections()
 
     def plan_projections(self):
-        """The cache layout, from the heads' counts (again after tensor parallelism: `use_local_heads`)."""
-        self.packed = PackedCache(self.sensory, self.relational, self.head_dim)
+        """The fused projections (`FusedProjections`: target queries; source keys, values and relation keys) and the
+        cache layout, from the heads' counts (again after tensor parallelism: `use_local_heads`)."""
+        sen, rel, hd = self.sensory, self.relational, self.head_dim
+        self.packed = PackedCache(sen, rel, hd)
+        queries, source = [], []  # (projections, width) per part
+        if sen is not None:
+            queries.append(([("sensory", "q_proj")], sen.num_heads * hd))
+            source += [([("sensory", name)], sen.num_kv_heads * hd) for name in ("k_proj", "v_proj")]
+        if rel is not None:
+            relation_width = rel.num_relations * rel.relation_dim
+            relation_keys = "q_rel_proj" if self.symmetric_relations else "k_rel_proj"
+            queries += [([("relational", "q_attn_proj")], rel.num_heads * hd),
+                        ([("relational", "q_rel_proj")], relation_width)]
+            source += [([("relational", "k_attn_proj")], rel.num_kv_heads * hd),
+                       ([("relational", relation_keys)], relation_width)]
+        self.query_projections = FusedProjections.plan(sen, rel, queries)
+        self.source_projections = FusedProjections.plan(sen, rel, source)
 
     def _project_queries(self, hidden_states):
         """Target queries (one matrix product): sensory `[b, h_s, n, d_h]`, relational `[b, h_r, n, d_h]`, relation
         queries `[b, n, R, d_r]` (None for a head type the layer lacks)."""
         b, n, _ = hidden_states.shape
         sen, rel, hd = self.sensory, self.relational, self.head_dim
-        linears = ([sen.q_proj] if sen is not None else []) + (
-            [rel.q_attn_proj, rel.q_rel_proj] if rel is not None else [])
-        widths = ([sen.num_heads * hd] if sen is not None else []) + (
-            [rel.num_heads * hd, rel.num_relations * rel.relation_dim] if rel is not None else [])
-        parts = list(fused_linear(linears, hidden_states).split(widths, dim=-1))
+        parts = project_fused(self.query_projections, sen, rel, hidden_states)
         q_s = parts.pop(0).view(b, n, -1, hd).transpose(1, 2) if sen is not None else None
         q_r = q_rel = None
         if rel is not None:
@@ -236,14 +267,7 @@ class DATCrossAttention(nn.Module):
         (sensory values, symbol values, relation keys)."""
         b, m, _ = encoder_hidden_states.shape
         sen, rel, hd = self.sensory, self.relational, self.head_dim
-        linears, widths = [], []
-        if sen is not None:
-            linears += [sen.k_proj, sen.v_proj]
-            widths += [sen.num_kv_heads * hd] * 2
-        if rel is not None:
-            linears += [rel.k_attn_proj, rel.q_rel_proj if self.symmetric_relations else rel.k_rel_proj]
-            widths += [rel.num_kv_heads * hd, rel.num_relations * rel.relation_dim]
-        parts = list(fused_linear(linears, encoder_hidden_states).split(widths, dim=-1))
+        parts = project_fused(self.source_projections, sen, rel, encoder_hidden_states)
         keys, values = [], []
         if sen is not None:
             keys.append(parts.pop(0).view(b, m, -1, hd).transpose(1, 2))
@@ -269,9 +293,10 @@ class DATCrossAttention(nn.Module):
                 values = self.packed.value_views(values)  # (keys are already one per head type)
         sensory_inputs = relational_inputs = None
         if self.sensory is not None:
-            sensory_inputs = (q_s, keys[-1], values[0], cross_plan.sensory["bipartite"])
+            sensory_inputs = (q_s, keys[-1], values[0], cross_plan.sensory[CROSS_ATTENTION_BIAS])
         if self.relational is not None:
-            relational_inputs = (q_r, keys[0], values[-2], q_rel, values[-1], cross_plan.relational["bipartite"], None)
+            relational_inputs = (q_r, keys[0], values[-2], q_rel, values[-1],
+                                 cross_plan.relational[CROSS_ATTENTION_BIAS], None)
         return dual_attention_outputs(self.sensory, self.relational, sensory_inputs, relational_inputs, **kwargs)
 
 
@@ -290,10 +315,11 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
         self.mlp = DATMLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states, encoder_hidden_states, symbols=None, source_symbols=None,
-                position_embeddings=None, sensory_plan=None, relational_plan=None, cross_plan=None,
-                cache=None, **kwargs):
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    def forward(self, hidden_states, symbols, encoder_hidden_states, source_symbols=None, position_embeddings=None,
+                sensory_plan=None, relational_plan=None, cross_plan=None, cache=None, **kwargs):
+        """symbols `[b|1, n, d]` (or None) of the target, encoder_hidden_states `[b, m, d]`, source_symbols `[b|1, m,
+        d]` (for `dual` cross-attention while its cache layer is empty, else None); `cache` an `EncoderDecoderCache`."""
+        self_cache = self_attention_cache(cache)
 
         def self_attend(x):
             out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_plan, relational_plan, self_cache,
@@ -388,24 +414,14 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         init_positions(self, stack)
         self.dropout = nn.Dropout(config.embedding_dropout)
         # CODEPATH: relational heads: the paper's math DAT models (4 sensory + 4 relational encoder heads); none: their
-        # Transformer baselines (8 self-attention heads). No released weights.
-        self.symbol_retrievers = SymbolRetrievers(stack) if config.num_relational_heads > 0 else None
-        self.layers = nn.ModuleList([DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)])
-        # CODEPATH: no final norm: the reference `Seq2SeqDualAttnTransformer` (the paper's math models, converted with
-        # `final_norm=False`); a final norm: dat_hf's default for models trained from scratch. No released weights.
-        self.norm = make_norm(config) if config.final_norm else nn.Identity()
-        self.gradient_checkpointing = False
+        # Transformer baselines (8 self-attention heads). No final norm: the reference `Seq2SeqDualAttnTransformer`
+        # (the paper's math models, converted with `final_norm=False`); a final norm: dat_hf's default for models
+        # trained from scratch. No released weights.
+        init_dat_stack(self, stack, [DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)],
+                       uses_symbols=config.num_relational_heads > 0, final_norm=config.final_norm)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
-    @attentions_imply_relations
-    @merge_with_config_defaults
-    @capture_outputs
+    @stack_forward
     @auto_docstring
     def forward(
         self,
@@ -435,9 +451,8 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         if position_ids is None:
             position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, 0, inputs_embeds.device)
         validate_positions(stack, self.symbol_retrievers, position_ids)
-        hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
-                                                           stack.position_embedding_type)
-        hidden_states = self.dropout(hidden_states)
+        hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
+                                                             stack.position_embedding_type)
 
         biases = [self.config.encoder_layer_bias(i) for i in range(self.config.encoder_layers)]
         masks = build_masks(biases, self.config, inputs_embeds, attention_mask, causal=False)
@@ -469,23 +484,14 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         init_positions(self, config)
         self.dropout = nn.Dropout(config.embedding_dropout)
         # CODEPATH: symbols in the decoder: the paper's math DAT with 4 + 4 decoder heads, and `dual` cross-attention
-        # (dat_hf only); none: its variant with a standard decoder (8 sensory heads). No released weights.
-        self.symbol_retrievers = SymbolRetrievers(decoder_symbol_config(config)) if config.decoder_uses_symbols else None
-        self.layers = nn.ModuleList([DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        # CODEPATH: as in the encoder: none in the reference's math models, one in dat_hf's default.
-        self.norm = make_norm(config) if config.final_norm else nn.Identity()
-        self.gradient_checkpointing = False
+        # (dat_hf only); none: its variant with a standard decoder (8 sensory heads). No released weights. The final
+        # norm as in the encoder: none in the reference's math models, one in dat_hf's default.
+        init_dat_stack(self, config, [DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)],
+                       uses_symbols=config.decoder_uses_symbols, symbol_config=decoder_symbol_config(config),
+                       final_norm=config.final_norm)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
-    @attentions_imply_relations
-    @merge_with_config_defaults
-    @capture_outputs
+    @stack_forward
     @auto_docstring
     @takes_cache
     def forward(
@@ -509,70 +515,27 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         if cache is not None and not isinstance(cache, EncoderDecoderCache):
             raise ValueError(
                 f"The seq2seq decoder needs an `EncoderDecoderCache` as `cache`, got {type(cache).__name__}.")
-        past_seen = cache.self_attention_cache.get_seq_length() if cache is not None else 0
-        validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_seen, prefix="decoder_",
-                             vocab_size=self.config.vocab_size, hidden_size=self.config.hidden_size)
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        batch_size, seq_len, _ = inputs_embeds.shape
-        validate_encoder_states(encoder_hidden_states, encoder_attention_mask, batch_size, self.config.hidden_size)
-        for key in ("output_relations", "output_hidden_states"):
-            kwargs.pop(key, None)
-
-        starts_own_cache = starts_cache(self, use_cache, cache)  # (a user's dynamic cache keeps its layers)
-        if starts_own_cache:
-            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        if cache is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(cache, in_place=starts_own_cache))
-        self_cache = cache.self_attention_cache if cache is not None else None
-        position_ids, mask_positions = resolve_position_ids(self, position_ids, attention_mask, batch_size, seq_len,
-                                                            past_seen, inputs_embeds.device, "decoder_position_ids")
-
-        hidden_states, position_embeddings = add_positions(self, inputs_embeds, position_ids,
-                                                           self.config.position_embedding_type)
-        hidden_states = self.dropout(hidden_states)
-
+        inputs_embeds, cache, position_ids, mask_positions = prepare_decoder_inputs(
+            self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, prefix="decoder_")
+        validate_encoder_states(encoder_hidden_states, encoder_attention_mask, inputs_embeds.shape[0],
+                                self.config.hidden_size)
+        hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
+                                                             self.config.position_embedding_type)
         output_attentions = kwargs.get("output_attentions", False)
-        layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, self_cache, mask_positions, causal=True,
+        layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, cache, mask_positions, causal=True,
                                          output_attentions=output_attentions)
         cross_mask = build_cross_attention_mask(self.config, inputs_embeds, encoder_hidden_states, encoder_attention_mask)
-        cross_plan = AttentionPlan.build({"bipartite": cross_mask}, self.config, inputs_embeds, output_attentions,
-                                         gradients_flow(self, inputs_embeds), self.training)
-
-        retrievers = self.symbol_retrievers
-        shared_symbols = retrievers is not None and retrievers.shared and retrievers.feature_independent
-        symbols = None
-        needs_source = self.config.cross_relational_heads > 0
-        source_positions = None
-        if needs_source:
-            source_positions = source_position_ids(encoder_attention_mask, batch_size, encoder_hidden_states.shape[1],
-                                                   encoder_hidden_states.device)
-        if shared_symbols:
-            # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
-            # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
-            symbols = retrievers(0, hidden_states, position_ids) if self.config.num_relational_heads > 0 else None
-        # (the first `num_hidden_layers` layers: Transformers lowers it for the drafts of self-speculative decoding)
-        for i, (layer, (sensory_bias, relational_bias)) in enumerate(zip(self.layers, layer_biases)):
-            layer_symbols = symbols
-            # CODEPATH: as above (decoder relational heads: the paper's 4 + 4 math DAT).
-            if retrievers is not None and layer_symbols is None and self.config.num_relational_heads > 0:
-                layer_symbols = retrievers(i, hidden_states, position_ids)
-            layer_source_symbols = None
-            if needs_source and not (cache is not None and cache.is_updated.get(i)):
-                # the source tokens' symbols (computed once per generation: they go to the cross-attention cache)
-                layer_source_symbols = retrievers(i, encoder_hidden_states, source_positions)
-            hidden_states = layer(
-                hidden_states,
-                encoder_hidden_states,
-                layer_symbols,
-                layer_source_symbols,
-                position_embeddings=position_embeddings,
-                sensory_plan=plan.sensory[sensory_bias],
-                relational_plan=plan.relational[relational_bias],
-                cross_plan=cross_plan,
-                cache=cache,
-                **kwargs,
-            )
+        cross_plan = AttentionPlan.build({CROSS_ATTENTION_BIAS: cross_mask}, self.config, inputs_embeds,
+                                         output_attentions, gradients_flow(self, inputs_embeds), self.training)
+        source = CrossAttentionSource(encoder_hidden_states, encoder_attention_mask, self.symbol_retrievers, cache,
+                                      relational=self.config.cross_relational_heads > 0)
+        # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
+        # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
+        target_retrievers = self.symbol_retrievers if self.config.num_relational_heads > 0 else None
+        hidden_states = run_dat_layers(
+            self.layers, target_retrievers, hidden_states, position_ids, layer_biases, plan, source,
+            position_embeddings=position_embeddings, cross_plan=cross_plan, cache=cache, **kwargs,
+        )
         hidden_states = self.norm(hidden_states)
         return DATDecoderOutput(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
@@ -657,15 +620,9 @@ class DATSeq2SeqModel(DATSeq2SeqPreTrainedModel):
                 f"Batch size mismatch: `input_ids` has {source.shape[0]} sequences but `encoder_outputs` {encoder_hidden.shape[0]}."
             )
         decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_hidden,
-            encoder_attention_mask=attention_mask,
-            position_ids=decoder_position_ids,
-            cache=cache,
-            inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, encoder_hidden_states=encoder_hidden,
+            encoder_attention_mask=attention_mask, position_ids=decoder_position_ids, cache=cache,
+            inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, **kwargs,
         )
         return DATSeq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -777,17 +734,10 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         outputs: DATSeq2SeqModelOutput = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask,
-            decoder_position_ids=decoder_position_ids,
-            encoder_outputs=encoder_outputs,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask, decoder_position_ids=decoder_position_ids,
+            encoder_outputs=encoder_outputs, cache=cache, inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)

@@ -25,8 +25,6 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_dat_vision import DATVisionConfig
 from .dual_attention import DATRotaryEmbedding
@@ -35,12 +33,12 @@ from .modeling_dat import (
     DAT_OUTPUT_ARGS,
     DATDecoderLayer,
     DATPreTrainedModel,
-    attentions_imply_relations,
-    make_norm,
+    init_dat_stack,
     plan_layers,
+    recorded_outputs,
     run_dat_layers,
+    stack_forward,
 )
-from .symbol_retrieval import SymbolRetrievers
 
 
 @auto_docstring(
@@ -183,21 +181,16 @@ class DATVisionModel(DATVisionPreTrainedModel):
         if config.position_embedding_type == "rope":
             self.rotary_emb = DATRotaryEmbedding(config)
         # CODEPATH: relational heads: the paper's ViDAT (ImageNet: 10 sensory + 6 relational heads; CIFAR: 6 + 6);
-        # none: its ViT baselines (16 / 12 heads). No released weights.
-        self.symbol_retrievers = SymbolRetrievers(config) if config.num_relational_heads > 0 else None
-        self.layers = nn.ModuleList([DATDecoderLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers)])
-        # CODEPATH: no final norm: the reference's vision models (converted with `final_norm=False`); a final norm:
-        # dat_hf's default (as ViT). No released weights.
-        self.norm = make_norm(config) if config.final_norm else nn.Identity()
-        self.gradient_checkpointing = False
+        # none: its ViT baselines (16 / 12 heads). No final norm: the reference's vision models (converted with
+        # `final_norm=False`); a final norm: dat_hf's default (as ViT). No released weights.
+        layers = [DATDecoderLayer(config, i, is_causal=False) for i in range(config.num_hidden_layers)]
+        init_dat_stack(self, config, layers, uses_symbols=config.num_relational_heads > 0, final_norm=config.final_norm)
         self.post_init()
 
     def get_input_embeddings(self):
         return self.embeddings.patch_embeddings
 
-    @attentions_imply_relations
-    @merge_with_config_defaults
-    @capture_outputs
+    @stack_forward
     @auto_docstring
     def forward(
         self,
@@ -304,10 +297,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
             labels = labels.to(logits.device)
             self.config.problem_type = classification_problem(self.config, labels)
             loss = self.loss_function(labels, logits, self.config)
-        return DATImageClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            relations=outputs.relations,
-        )
+        return DATImageClassifierOutput(loss=loss, logits=logits, **recorded_outputs(outputs))
 
 
 __all__ = [

@@ -97,7 +97,7 @@ def test_model_fused_equals_one_by_one(name, monkeypatch):
     model = DATForCausalLM(tiny_config(initializer_range=0.2, **overrides, attn_implementation=attn)).double()
     input_ids = torch.randint(0, 97, (2, 40))  # 80 rows: above FUSED_PROJECTION_MIN_ROWS
     extra_calls = assert_fused_equals_one_by_one(model, dict(input_ids=input_ids), monkeypatch)
-    projections = len(model.model.layers[0].dual_attn._input_projections)
+    projections = len(model.model.layers[0].dual_attn.input_projections.projections)
     assert extra_calls == model.config.num_hidden_layers * projections  # the fused product calls no module
 
 
