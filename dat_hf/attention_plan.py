@@ -21,43 +21,14 @@ import warnings
 from typing import NamedTuple
 
 import torch
-from torch import nn
-from transformers.modeling_utils import AttentionInterface
 
 from .masking_dat import AttentionMask, SlidingWindow, cut
 from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
-                                   repeat_kv, select_relational_attention)
-from .relational_attention_fused import flex_attention_forward
+                                   select_relational_attention)
+# (importing the fused-values backends registers `sdpa` and `flex_attention` beside the reference's `eager`)
+from .relational_attention_fused import fused_values_limits
+from .sensory_attention import DAT_ATTENTION_FUNCTIONS, eager_attention_forward, flex_attention_forward
 from .tensor_parallel_dat import local_tensor
-
-
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Softmax attention with explicit weights (the sensory heads' reference). query `[b, h, q, d]`, key `[b, h_kv,
-    kv, d]`, value `[b, h_kv, kv, d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` ->
-    output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
-    weights = eager_attention_weights(module, query, key, attention_mask, scaling, dropout)
-    value = repeat_kv(value, module.num_key_value_groups)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-def eager_attention_weights(module, query, key, attention_mask, scaling, dropout=0.0):
-    """`softmax(scaling q k^T + mask)` (dropout in training): query `[b, h, q, d]`, key `[b, h_kv, kv, d]` -> `[b, h,
-    q, kv]`."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
-        else:
-            weights = weights + attention_mask
-    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.promote_types(weights.dtype, torch.float32))
-    return nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
-
-
-# Transformers' attention functions, with DAT's FlexAttention call (one compiled `flex_attention` per device, static
-# shapes on CPU, DAT's masks and input copies) in place of theirs: a local override, as `AttentionInterface` documents
-DAT_ATTENTION_FUNCTIONS = AttentionInterface()
-DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
 
 
 class KernelMask(NamedTuple):
@@ -303,5 +274,5 @@ def gradients_flow(model, inputs_embeds: torch.Tensor) -> bool:
     return inputs_embeds.requires_grad or any(p.requires_grad for p in model.parameters())
 
 
-__all__ = ["DAT_ATTENTION_FUNCTIONS", "MASK_FORMATS", "AttentionPlan", "KernelMask", "PlannedRelational",
-           "PlannedSensory", "eager_attention_forward", "eager_attention_weights", "gradients_flow", "mask_in_format"]
+__all__ = ["MASK_FORMATS", "AttentionPlan", "KernelMask", "PlannedRelational", "PlannedSensory", "gradients_flow",
+           "mask_in_format"]

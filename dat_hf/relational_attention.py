@@ -29,19 +29,19 @@ import torch
 from torch import nn
 
 from .masking_dat import AttentionMask, receiver_positions
-from .relational_attention_fused import flex_relational_attention, relational_output, sdpa_relational_attention
+from .sensory_attention import repeat_kv
 
 # receivers per block of the reference are chosen so that one block's scores and relations stay below this many
 # elements (memory linear in the sequence length)
 BLOCK_ELEMENTS = 1 << 22
 
 
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA: each key/value head serves `n_rep` query heads)."""
-    if n_rep == 1:
-        return hidden_states
-    b, h, n, d = hidden_states.shape
-    return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+def relational_output(attended_symbols, attended_relations, relation_proj, dtype=None):
+    """The one place of `A W_r`: A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h, from the attended
+    symbols `[b, q, h, d_h]` and attended relations `[b, q, h, R]`, with W_r `[h, d_h, R]` (in `dtype`, as given)
+    -> messages `[b, q, h, d_h]`."""
+    weight = relation_proj if dtype is None else relation_proj.to(dtype)
+    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, weight)
 
 
 class RelationalSpec(NamedTuple):
@@ -197,31 +197,6 @@ class RelationalBackend(NamedTuple):
     mask_format: str = "tensor"
 
 
-def fused_values_limits(call: RelationalCall) -> str | None:
-    """What the fused-values backends (sdpa, flex) need: identity relations and symbols per sender."""
-    if call.output_attentions:
-        return "it does not return attention weights (use 'eager')"
-    if call.relation_activation != "identity":
-        return f"relation_activation={call.relation_activation!r} needs explicit relations (only 'identity' fuses)"
-    if call.relative_symbols:
-        return "position-relative symbols need per-pair symbol rows (explicit weights)"
-    return None
-
-
-def _supports_flex(call: RelationalCall) -> str | None:
-    if (reason := fused_values_limits(call)) is not None:
-        return reason
-    if call.dropout > 0:
-        return "flex_attention has no attention dropout"
-    if call.device == "cpu" and call.requires_grad:
-        return "flex_attention has no backward on CPU in PyTorch"
-    if call.device == "cpu" and call.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return "flex_attention on CPU runs float32, float16 or bfloat16"
-    if call.mask.block_mask is None and (call.mask.masked or call.mask.is_causal):
-        return "the masks were built without a BlockMask (set attn_implementation='flex_attention')"
-    return None
-
-
 class RelationalBackendUnavailable(RuntimeError):
     """A backend's kernel failed to compile or launch on a device (raised by the backend, naming the error): automatic
     selection falls back to the next backend; a backend requested by `relational_attn_implementation` raises it."""
@@ -250,9 +225,7 @@ class RelationalAttentionInterface(dict):
 RELATIONAL_ATTENTION_FUNCTIONS = RelationalAttentionInterface()
 RELATIONAL_ATTENTION_FUNCTIONS.register("eager", eager_relational_attention, lambda call: None,
                                         mask_format="reference")
-RELATIONAL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_relational_attention, fused_values_limits)
-RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attention, _supports_flex,
-                                        mask_format="block_mask")
+# (`sdpa` and `flex_attention`: relational_attention_fused.py; compiled kernels: dat_hf.kernels)
 
 
 def _candidates(attn_implementation: str | None, call: RelationalCall) -> list[str]:
@@ -286,5 +259,6 @@ def select_relational_attention(call: RelationalCall, requested: str | None, att
 
 __all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend",
            "RelationalBackendUnavailable", "RelationalCall", "RelationalSpec", "RelativeSymbols",
-           "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_weights", "repeat_kv",
+           "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_output",
+           "relational_weights", "repeat_kv",
            "select_relational_attention"]

@@ -22,8 +22,10 @@ in shared memory, `V` rounded up to a power of two, with tiles chosen for the qu
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, relational_output
+from .sensory_attention import flex_attention_forward
 
 
 # the widest value chunk of one FlexAttention call off CPU (or the query width rounded up to a power of two, if wider);
@@ -31,14 +33,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 FLEX_VALUE_CHUNK = 128
 # devices whose FlexAttention kernel takes any value width in one call (the CPU kernel loops over it)
 WHOLE_VALUE_DEVICES = frozenset({"cpu"})
-
-
-def relational_output(attended_symbols, attended_relations, relation_proj, dtype=None):
-    """The one place of `A W_r`: A_i^h = sum_j a_ij s_j W_s^h + (sum_j a_ij r(x_i, x_j)) W_r^h, from the attended
-    symbols `[b, q, h, d_h]` and attended relations `[b, q, h, R]`, with W_r `[h, d_h, R]` (in `dtype`, as given)
-    -> messages `[b, q, h, d_h]`."""
-    weight = relation_proj if dtype is None else relation_proj.to(dtype)
-    return attended_symbols + torch.einsum("bqhr,hdr->bqhd", attended_relations, weight)
 
 
 def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> list[int]:
@@ -51,70 +45,29 @@ def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> l
     return [min(widest, value_width - start) for start in range(0, value_width, widest)]
 
 
-def flex_inputs(*tensors):
-    """The tensors as FlexAttention gets them: copies inside a compiled CPU graph, where inductor's C++ FlexAttention
-    template reads a view that starts past its buffer's beginning (a head slice of the cache) from the buffer's start,
-    i.e. other heads (PyTorch 2.13; Dynamo cannot tell views by their offset)."""
-    if not torch.compiler.is_compiling():
-        return tensors
-    return tuple(t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t for t in tensors)
+def fused_values_limits(call: RelationalCall) -> str | None:
+    """What the fused-values backends (sdpa, flex) need: identity relations and symbols per sender."""
+    if call.output_attentions:
+        return "it does not return attention weights (use 'eager')"
+    if call.relation_activation != "identity":
+        return f"relation_activation={call.relation_activation!r} needs explicit relations (only 'identity' fuses)"
+    if call.relative_symbols:
+        return "position-relative symbols need per-pair symbol rows (explicit weights)"
+    return None
 
 
-# inductor's C++ FlexAttention template (PyTorch 2.13 and 2.14.1, AVX2) computes wrong or non-finite outputs for
-# query/key head dimensions under 32 when the length is not a multiple of 16 (e.g. d_h = 16 at 24 or 40 tokens, with
-# or without a mask; what the call returns then depends on what ran before). Zero columns leave every score as it is.
-CPU_FLEX_MIN_QK_DIM = 32
-
-
-def cpu_flex_query_key(query, key):
-    """query `[b, h, q, d]` and key `[b, h_kv, kv, d]` with zero columns up to `CPU_FLEX_MIN_QK_DIM` when `d` is
-    narrower on CPU (the scores, and so the output, are unchanged: the caller passes the scale of `d`)."""
-    pad = CPU_FLEX_MIN_QK_DIM - query.shape[-1]
-    if query.device.type != "cpu" or pad <= 0:
-        return query, key
-    return nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
-
-
-_compiled_flex = {}
-
-
-def _compiled_flex_attention(device_type: str):
-    """FlexAttention compiled once per process and device type; with static shapes on CPU, where PyTorch 2.13's
-    inductor miscompiles the C++ template for dynamic ones (a second shape made Dynamo compile a dynamic kernel that
-    failed to build, `'cur_kvSplitSize1' was not declared`, so a call's fate depended on what had run before).
-    Inside a compiled graph the plain function is traced into it."""
-    if torch.compiler.is_compiling():
-        return flex_attention
-    if device_type not in _compiled_flex:
-        _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
-    return _compiled_flex[device_type]
-
-
-def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """FlexAttention for both head types. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`,
-    attention_mask a `BlockMask`, an additive float tensor `[b|1, 1, q, kv]` or None -> output `[b, q, h, d_v]`,
-    None (no weights). Receivers without any sender get zeros (FlexAttention's convention; the callers zero them)."""
-    if dropout > 0:
-        raise ValueError("FlexAttention has no attention dropout: use the model in eval mode, set "
-                         "`attention_dropout=0`, or choose another `attn_implementation`.")
-    block_mask, score_mod = None, None
-    if isinstance(attention_mask, BlockMask):
-        block_mask = attention_mask
-    elif attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            raise ValueError("FlexAttention heads need their mask as a BlockMask or an additive float tensor, got a "
-                             "bool tensor: build the masks with the model's config "
-                             "(`attn_implementation='flex_attention'`).")
-        additive = attention_mask[..., : key.shape[-2]]
-
-        def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-            return score + additive[batch_idx if additive.shape[0] > 1 else 0, 0, q_idx, kv_idx]
-
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # of the head dimension, before any padding
-    query, key, value = flex_inputs(*cpu_flex_query_key(query, key), value)
-    out = _compiled_flex_attention(query.device.type)(query, key, value, score_mod=score_mod, block_mask=block_mask,
-                                                       scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+def _supports_flex(call: RelationalCall) -> str | None:
+    if (reason := fused_values_limits(call)) is not None:
+        return reason
+    if call.dropout > 0:
+        return "flex_attention has no attention dropout"
+    if call.device == "cpu" and call.requires_grad:
+        return "flex_attention has no backward on CPU in PyTorch"
+    if call.device == "cpu" and call.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return "flex_attention on CPU runs float32, float16 or bfloat16"
+    if call.mask.block_mask is None and (call.mask.masked or call.mask.is_causal):
+        return "the masks were built without a BlockMask (set attn_implementation='flex_attention')"
+    return None
 
 
 def _fused_values_attention(interface: str, query, key, symbol_values, relation_queries, relation_keys, relation_proj,
@@ -162,5 +115,8 @@ def flex_relational_attention(query, key, symbol_values, relation_queries, relat
     return messages, None, None
 
 
-__all__ = ["cpu_flex_query_key", "flex_attention_forward", "flex_inputs", "flex_relational_attention", "flex_value_chunks", "relational_output",
-           "sdpa_relational_attention"]
+RELATIONAL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_relational_attention, fused_values_limits)
+RELATIONAL_ATTENTION_FUNCTIONS.register("flex_attention", flex_relational_attention, _supports_flex,
+                                        mask_format="block_mask")
+
+__all__ = ["flex_relational_attention", "flex_value_chunks", "fused_values_limits", "sdpa_relational_attention"]

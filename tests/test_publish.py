@@ -14,8 +14,8 @@ from dat_hf import DATForCausalLM
 
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
-            "relational_attention_fused.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-            "kernel_hooks.py", "input_validation.py", "transformers_compat.py", "README.md"}
+            "relational_attention_fused.py", "sensory_attention.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
+            "relational_biases.py", "kernel_hooks.py", "input_validation.py", "transformers_compat.py", "README.md"}
 REPO_ID = "someone/dat-tiny-shakespeare"
 
 

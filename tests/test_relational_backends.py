@@ -26,6 +26,7 @@ from transformers import DynamicCache, StaticCache
 import dat_hf
 import dat_hf.relational_attention as relational_attention
 import dat_hf.relational_attention_fused as relational_attention_fused
+import dat_hf.sensory_attention as sensory_attention
 from dat_hf import (DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForTokenClassification, DATSeq2SeqConfig, DATVisionConfig)
 from dat_hf.masking_dat import AttentionMask
@@ -397,7 +398,7 @@ def test_flex_attention_narrow_heads_on_cpu():
     for d, length in [(16, 24), (8, 40), (16, 8)]:
         query, key, value = torch.randn(1, 4, length, d), torch.randn(1, 2, length, d), torch.randn(1, 2, length, 12)
         causal = create_block_mask(lambda b, h, q, kv: kv <= q, 1, None, length, length, device="cpu")
-        got, _ = relational_attention_fused.flex_attention_forward(None, query, key, value, causal, scaling=d ** -0.5)
+        got, _ = sensory_attention.flex_attention_forward(None, query, key, value, causal, scaling=d ** -0.5)
         expected = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), is_causal=True)
         assert torch.isfinite(got).all(), f"head dimension {d}, {length} tokens"

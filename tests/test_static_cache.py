@@ -196,7 +196,7 @@ def test_compiled_static_decoding_with_flex_attention_is_one_graph(name, dynamo_
 def test_inductor_compiled_flex_attention_decoding_on_cpu(request):
     """The same step compiled by inductor on CPU, where its C++ FlexAttention template reads a view that starts past
     its buffer's beginning from the buffer's start (the sensory heads' slice of the cache would read the relational
-    heads' keys; `relational_attention_fused.flex_inputs` hands it copies): the logits of SDPA without a compiled step.
+    heads' keys; `sensory_attention.flex_inputs` hands it copies): the logits of SDPA without a compiled step.
     (Inductor cannot fuse the ops after that template, so this compiles with `epilogue_fusion` off.)"""
     set_torch_config(request, torch._inductor.config, "epilogue_fusion", False)
     model, prompt, mask = tiny_model_and_prompt(*LM_CASES["gqa-left-padded"])

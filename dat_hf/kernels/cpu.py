@@ -28,7 +28,7 @@ from .. import dual_attention
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
-from ..relational_attention_fused import relational_output
+from ..relational_attention import relational_output
 from .autograd import relational_op_autograd
 from .cpu_build import build_extension
 
@@ -232,7 +232,7 @@ def accepts_fused_linear(linears, x) -> bool:
         return False
     for linear in linears:
         w = linear.weight
-        if not (dual_attention._is_plain_linear(linear) and linear.bias is None and type(w) in _PLAIN_TENSORS
+        if not (dual_attention.is_plain_linear(linear) and linear.bias is None and type(w) in _PLAIN_TENSORS
                 and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
                 and not (grad and w.requires_grad)):
             return False

@@ -6,7 +6,7 @@ Registered for the model files' replaceable `activation_down_projection`."""
 import torch
 from torch import nn
 
-from ..dual_attention import _is_plain_linear
+from ..dual_attention import is_plain_linear
 from ..kernel_hooks import register_kernel
 from .cpu import swiglu_backward_op, swiglu_op, takes_swiglu_op
 
@@ -64,7 +64,7 @@ def accepts_recomputation(act_fn, gate, up, down_proj) -> bool:
     """Training (a graph through `gate`) with a plain `nn.Linear` down projection (not wrapped by PEFT, quantization
     or hooks), outside `torch.compile` (the compiler chooses what to recompute); ReLU's backward needs only its output,
     which the down projection keeps anyway."""
-    return (torch.is_grad_enabled() and gate.requires_grad and _is_plain_linear(down_proj)
+    return (torch.is_grad_enabled() and gate.requires_grad and is_plain_linear(down_proj)
             and not isinstance(act_fn, nn.ReLU) and not torch.compiler.is_compiling())
 
 

@@ -60,10 +60,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
-                                    fused_values_limits)
 from ..masking_dat import receiver_offset
-from ..relational_attention_fused import relational_output
+from ..relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
+                                    relational_output)
+from ..relational_attention_fused import fused_values_limits
 from .autograd import relational_op_autograd
 
 

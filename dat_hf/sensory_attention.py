@@ -1,0 +1,123 @@
+# Copyright 2026 The dat_hf Authors. All rights reserved.
+#
+# Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
+# License. See the LICENSE file at the root of the dat_hf repository.
+"""Sensory (self-)attention functions: the eager reference with explicit weights, and DAT's FlexAttention call (one
+compiled `flex_attention` per device, static shapes on CPU, DAT's masks and input copies), which the relational
+fused-values backend also calls. The sensory heads reach them through `DAT_ATTENTION_FUNCTIONS` (Transformers'
+attention interface with DAT's FlexAttention in place of Transformers' own).
+
+    out = softmax(scaling q k^T + mask) v                                   query [b, h, q, d] -> out [b, q, h, d_v]
+"""
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.modeling_utils import AttentionInterface
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA: each key/value head serves `n_rep` query heads)."""
+    if n_rep == 1:
+        return hidden_states
+    b, h, n, d = hidden_states.shape
+    return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Softmax attention with explicit weights (the sensory heads' reference). query `[b, h, q, d]`, key `[b, h_kv,
+    kv, d]`, value `[b, h_kv, kv, d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` ->
+    output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
+    weights = eager_attention_weights(module, query, key, attention_mask, scaling, dropout)
+    value = repeat_kv(value, module.num_key_value_groups)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def eager_attention_weights(module, query, key, attention_mask, scaling, dropout=0.0):
+    """`softmax(scaling q k^T + mask)` (dropout in training): query `[b, h, q, d]`, key `[b, h_kv, kv, d]` -> `[b, h,
+    q, kv]`."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.promote_types(weights.dtype, torch.float32))
+    return nn.functional.dropout(weights.to(query.dtype), p=dropout, training=module.training)
+
+
+def flex_inputs(*tensors):
+    """The tensors as FlexAttention gets them: copies inside a compiled CPU graph, where inductor's C++ FlexAttention
+    template reads a view that starts past its buffer's beginning (a head slice of the cache) from the buffer's start,
+    i.e. other heads (PyTorch 2.13; Dynamo cannot tell views by their offset)."""
+    if not torch.compiler.is_compiling():
+        return tensors
+    return tuple(t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t for t in tensors)
+
+
+# inductor's C++ FlexAttention template (PyTorch 2.13 and 2.14.1, AVX2) computes wrong or non-finite outputs for
+# query/key head dimensions under 32 when the length is not a multiple of 16 (e.g. d_h = 16 at 24 or 40 tokens, with
+# or without a mask; what the call returns then depends on what ran before). Zero columns leave every score as it is.
+CPU_FLEX_MIN_QK_DIM = 32
+
+
+def cpu_flex_query_key(query, key):
+    """query `[b, h, q, d]` and key `[b, h_kv, kv, d]` with zero columns up to `CPU_FLEX_MIN_QK_DIM` when `d` is
+    narrower on CPU (the scores, and so the output, are unchanged: the caller passes the scale of `d`)."""
+    pad = CPU_FLEX_MIN_QK_DIM - query.shape[-1]
+    if query.device.type != "cpu" or pad <= 0:
+        return query, key
+    return nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
+
+
+_compiled_flex = {}
+
+
+def _compiled_flex_attention(device_type: str):
+    """FlexAttention compiled once per process and device type; with static shapes on CPU, where PyTorch 2.13's
+    inductor miscompiles the C++ template for dynamic ones (a second shape made Dynamo compile a dynamic kernel that
+    failed to build, `'cur_kvSplitSize1' was not declared`, so a call's fate depended on what had run before).
+    Inside a compiled graph the plain function is traced into it."""
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if device_type not in _compiled_flex:
+        _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    return _compiled_flex[device_type]
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """FlexAttention for both head types. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`,
+    attention_mask a `BlockMask`, an additive float tensor `[b|1, 1, q, kv]` or None -> output `[b, q, h, d_v]`,
+    None (no weights). Receivers without any sender get zeros (FlexAttention's convention; the callers zero them)."""
+    if dropout > 0:
+        raise ValueError("FlexAttention has no attention dropout: use the model in eval mode, set "
+                         "`attention_dropout=0`, or choose another `attn_implementation`.")
+    block_mask, score_mod = None, None
+    if isinstance(attention_mask, BlockMask):
+        block_mask = attention_mask
+    elif attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            raise ValueError("FlexAttention heads need their mask as a BlockMask or an additive float tensor, got a "
+                             "bool tensor: build the masks with the model's config "
+                             "(`attn_implementation='flex_attention'`).")
+        additive = attention_mask[..., : key.shape[-2]]
+
+        def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+            return score + additive[batch_idx if additive.shape[0] > 1 else 0, 0, q_idx, kv_idx]
+
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # of the head dimension, before any padding
+    query, key, value = flex_inputs(*cpu_flex_query_key(query, key), value)
+    out = _compiled_flex_attention(query.device.type)(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                                                       scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+# Transformers' attention functions, with DAT's FlexAttention call (one compiled `flex_attention` per device, static
+# shapes on CPU, DAT's masks and input copies) in place of theirs: a local override, as `AttentionInterface` documents
+DAT_ATTENTION_FUNCTIONS = AttentionInterface()
+DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
+
+
+__all__ = ["DAT_ATTENTION_FUNCTIONS", "cpu_flex_query_key", "eager_attention_forward", "eager_attention_weights",
+           "flex_attention_forward", "flex_inputs", "repeat_kv"]
