@@ -6,15 +6,9 @@
 imported on first use.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModelForImageClassification,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
-from transformers import AutoModelForSeq2SeqLM
+import importlib
+
+import transformers
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -26,6 +20,7 @@ from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
 from .configuration_dat import DATConfig, DATEncoderConfig, DualAttentionConfig
 from .modeling_dat import (
+    ENCODER_AUTO_CLASSES,
     DATEncoderModel,
     DATForCausalLM,
     DATForSequenceClassification,
@@ -55,46 +50,37 @@ warn_if_untested_transformers()  # (a release newer than the newest tested one: 
 # folder's remote code, hold only the hook points: there saving and loading are Transformers' own)
 install_safe_folders(SAVE_LOAD_HOOKS)
 
-AutoConfig.register("dat", DATConfig, exist_ok=True)
-AutoModel.register(DATConfig, DATModel, exist_ok=True)
-AutoModelForCausalLM.register(DATConfig, DATForCausalLM, exist_ok=True)
-AutoModelForSequenceClassification.register(DATConfig, DATForSequenceClassification, exist_ok=True)
-AutoConfig.register("dat_encoder", DATEncoderConfig, exist_ok=True)
-AutoModel.register(DATEncoderConfig, DATEncoderModel, exist_ok=True)
-AutoModelForTokenClassification.register(DATEncoderConfig, DATForTokenClassification, exist_ok=True)
-
-# saved folders carry the modeling code (remote code) for every Auto class of the family
-DATConfig.register_for_auto_class("AutoConfig")
-DATModel.register_for_auto_class("AutoModel")
-DATForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-DATForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-DATEncoderConfig.register_for_auto_class("AutoConfig")
-DATEncoderModel.register_for_auto_class("AutoModel")
-DATForTokenClassification.register_for_auto_class("AutoModelForTokenClassification")
-
-# vision: ViDAT image classifier and its Pillow-backend image processor (no torchvision needed)
-AutoConfig.register("dat_vision", DATVisionConfig, exist_ok=True)
-AutoModel.register(DATVisionConfig, DATVisionModel, exist_ok=True)
-AutoModelForImageClassification.register(DATVisionConfig, DATForImageClassification, exist_ok=True)
-AutoImageProcessor.register(DATVisionConfig, image_processor_classes={"pil": DATImageProcessor}, exist_ok=True)
-DATVisionConfig.register_for_auto_class("AutoConfig")
-DATVisionModel.register_for_auto_class("AutoModel")
-DATForImageClassification.register_for_auto_class("AutoModelForImageClassification")
-DATImageProcessor.register_for_auto_class("AutoImageProcessor")
-
-# seq2seq: encoder-decoder DAT (see dat_hf.pipeline_text2text for the `dat-text2text` pipeline)
-AutoConfig.register("dat_seq2seq", DATSeq2SeqConfig, exist_ok=True)
-AutoModel.register(DATSeq2SeqConfig, DATSeq2SeqModel, exist_ok=True)
-AutoModelForSeq2SeqLM.register(DATSeq2SeqConfig, DATForSeq2SeqLM, exist_ok=True)
-DATSeq2SeqConfig.register_for_auto_class("AutoConfig")
-DATSeq2SeqModel.register_for_auto_class("AutoModel")
-DATForSeq2SeqLM.register_for_auto_class("AutoModelForSeq2SeqLM")
-
+# The registration table: each family's `auto_classes` (Auto class -> `module.Class`, in its modeling file, which
+# `save_pretrained` also writes as the folder's remote-code `auto_map`). A new head is one entry there.
+FAMILIES = (DATPreTrainedModel.auto_classes, ENCODER_AUTO_CLASSES, DATVisionPreTrainedModel.auto_classes,
+            DATSeq2SeqPreTrainedModel.auto_classes)
 # model type -> class name, which lm-eval (`HFLM`'s backend, else "neither marked as CausalLM or Seq2SeqLM"), the
 # Trainer (label smoothing shifts the labels of a causal LM) and `transformers serve` read; the Auto classes resolve
-# the classes registered above first, and never look up a model type that is not in CONFIG_MAPPING_NAMES
-MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("dat", DATForCausalLM.__name__)
-MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.setdefault("dat_seq2seq", DATForSeq2SeqLM.__name__)
+# the registered classes first, and never look up a model type that is not in CONFIG_MAPPING_NAMES
+LM_NAME_MAPPINGS = {"AutoModelForCausalLM": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                    "AutoModelForSeq2SeqLM": MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES}
+
+
+def register_family(auto_classes: dict[str, str]) -> None:
+    """Register a family's config and models with the Auto classes (in this process, and for remote code on save)."""
+    classes = {auto_name: getattr(importlib.import_module(f".{target.rsplit('.', 1)[0]}", __name__),
+                                  target.rsplit(".", 1)[1])
+               for auto_name, target in auto_classes.items()}
+    config_class = classes.pop("AutoConfig")
+    transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    config_class.register_for_auto_class("AutoConfig")
+    for auto_name, model_class in classes.items():
+        getattr(transformers, auto_name).register(config_class, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_name)
+        if auto_name in LM_NAME_MAPPINGS:
+            LM_NAME_MAPPINGS[auto_name].setdefault(config_class.model_type, model_class.__name__)
+
+
+for auto_classes in FAMILIES:
+    register_family(auto_classes)
+# the ViDAT image processor (Pillow backend: no torchvision needed)
+AutoImageProcessor.register(DATVisionConfig, image_processor_classes={"pil": DATImageProcessor}, exist_ok=True)
+DATImageProcessor.register_for_auto_class("AutoImageProcessor")
 
 # `AutoModelForCausalLM.from_pretrained` also loads the authors' `dual-attention` Hub checkpoints (converted on load)
 register_authors_format()
@@ -103,8 +89,6 @@ register_authors_format()
 def __getattr__(name):
     """`dat_hf.export` on first use (it imports Transformers' ExecuTorch integration, which `import dat_hf` skips)."""
     if name == "export":
-        import importlib
-
         return importlib.import_module(".export", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

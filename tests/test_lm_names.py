@@ -4,6 +4,7 @@ takes a seq2seq model for a causal one), the Trainer's label smoothing (it shift
 `transformers serve`. The Auto classes resolve DAT's classes and Transformers' own as before."""
 
 import importlib.util
+import json
 import logging
 
 import torch
@@ -65,3 +66,35 @@ def test_auto_classes_resolve_as_before():
     llama = LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=64)
     assert type(AutoModelForCausalLM.from_config(llama)).__name__ == "LlamaForCausalLM"
+
+
+def test_one_registration_table_serves_auto_classes_and_remote_code(tmp_path, monkeypatch):
+    """Each family's `auto_classes` is the one table: every entry resolves through its Auto class in this process, and
+    a saved folder's `auto_map` (remote code) is that table; a head added to the table is registered like the rest."""
+    import transformers
+
+    import dat_hf
+
+    for table in dat_hf.FAMILIES:
+        config_class = getattr(importlib.import_module(f"dat_hf.{table['AutoConfig'].split('.')[0]}"),
+                               table["AutoConfig"].split(".")[1])
+        assert transformers.AutoConfig.for_model(config_class.model_type).__class__ is config_class
+        for auto_name, target in table.items():
+            if auto_name != "AutoConfig":
+                mapping = getattr(transformers, auto_name)._model_mapping
+                assert f"{mapping[config_class].__module__.split('.')[-1]}.{mapping[config_class].__name__}" == target
+    model = DATForCausalLM(tiny_config())
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == DATForCausalLM.auto_classes
+
+    class DATForTinyHead(DATForCausalLM):  # a new head: one entry in a table, then the same registration
+        pass
+
+    monkeypatch.setattr(dat_hf.modeling_dat, "DATForTinyHead", DATForTinyHead, raising=False)
+    dat_hf.register_family({"AutoConfig": "configuration_dat.DATConfig",
+                            "AutoModelForQuestionAnswering": "modeling_dat.DATForTinyHead"})
+    try:
+        assert transformers.AutoModelForQuestionAnswering._model_mapping[DATConfig] is DATForTinyHead
+        assert DATForTinyHead._auto_class == "AutoModelForQuestionAnswering"
+    finally:
+        transformers.AutoModelForQuestionAnswering._model_mapping._extra_content.pop(DATConfig, None)
