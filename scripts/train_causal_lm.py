@@ -314,13 +314,14 @@ def main(args=None, callbacks=None):
 
 
 def end_process_group():
-    """Wait for every process, then close the process group: left to the interpreter's exit, the backend's threads
-    can end the process with `terminate called without an active exception` (SIGABRT) after the run is saved."""
-    import torch.distributed as dist
+    """Wait for every process, then close the process group (Accelerate's `PartialState`, which Trainer set up): left
+    to the interpreter's exit, the backend's threads can end the process with `terminate called without an active
+    exception` (SIGABRT) after the run is saved."""
+    from accelerate import PartialState
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    state = PartialState()
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 import transformers
-from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
 from transformers.trainer_utils import SaveStrategy, SchedulerType
 
 import dat_hf
@@ -168,42 +168,30 @@ def label_names(dataset) -> list[str]:
     return [str(v) for v in sorted(set(dataset["label"]))]
 
 
-class ImageCollator:
-    """Stacks `pixel_values` and `labels`; with `shift > 0` (the training collator only), random translations of up
-    to `shift` pixels (edges replicated), a cheap augmentation for small datasets."""
+def random_shift(shift: int, seed: int = 0):
+    """A `set_transform` function for the training images: each batch read gets random translations of up to
+    `shift` pixels (edges replicated), a cheap augmentation for small datasets."""
+    generator = torch.Generator().manual_seed(seed)
 
-    def __init__(self, shift: int = 0, seed: int = 0):
-        self.shift = shift
-        self.generator = torch.Generator().manual_seed(seed)
+    def transform(batch):
+        pixels = torch.as_tensor(np.asarray(batch["pixel_values"], dtype=np.float32))
+        padded = torch.nn.functional.pad(pixels, (shift, shift, shift, shift), mode="replicate")
+        offsets = torch.randint(0, 2 * shift + 1, (len(pixels), 2), generator=generator)
+        h, w = pixels.shape[-2:]
+        pixels = torch.stack([padded[i, :, dy:dy + h, dx:dx + w] for i, (dy, dx) in enumerate(offsets.tolist())])
+        return {"pixel_values": pixels, "label": torch.as_tensor(batch["label"], dtype=torch.long)}
 
-    def __call__(self, features):
-        pixels = torch.stack([torch.as_tensor(np.asarray(f["pixel_values"], dtype=np.float32)) for f in features])
-        if self.shift > 0:
-            s = self.shift
-            padded = torch.nn.functional.pad(pixels, (s, s, s, s), mode="replicate")
-            offsets = torch.randint(0, 2 * s + 1, (len(features), 2), generator=self.generator)
-            h, w = pixels.shape[-2:]
-            pixels = torch.stack([padded[i, :, dy:dy + h, dx:dx + w] for i, (dy, dx) in enumerate(offsets.tolist())])
-        labels = torch.tensor([int(f["label"]) for f in features], dtype=torch.long)
-        return {"pixel_values": pixels, "labels": labels}
+    return transform
 
 
-class ImageTrainer(Trainer):
-    """`Trainer` whose training batches go through `train_collator` (augmentation), evaluation ones through
-    `data_collator` (none)."""
-
-    def __init__(self, *args, train_collator=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.train_collator = train_collator
-
-    def get_train_dataloader(self):
-        if self.train_collator is None:
-            return super().get_train_dataloader()
-        eval_collator, self.data_collator = self.data_collator, self.train_collator
-        try:
-            return super().get_train_dataloader()
-        finally:
-            self.data_collator = eval_collator
+def set_image_formats(train, evaluation, shift: int = 0, seed: int = 0) -> None:
+    """The preprocessed datasets read as tensors (`default_data_collator` stacks them); with `shift > 0`, the
+    training images only go through `random_shift` (datasets' `set_transform`)."""
+    evaluation.set_format("torch")
+    if shift > 0:
+        train.set_transform(random_shift(shift, seed))
+    else:
+        train.set_format("torch")
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
@@ -330,11 +318,10 @@ def main(argv=None):
         return {"pixel_values": list(processor(batch["image"], return_tensors="np")["pixel_values"]),
                 "label": batch["label"]}
 
-    # preprocess once (resize, channels, normalize); augmentation happens per batch in the collator
+    # preprocess once (resize, channels, normalize); augmentation happens per batch read (`set_transform`)
     train = train.map(preprocess, batched=True, remove_columns=train.column_names, desc="preprocess train")
     evaluation = evaluation.map(preprocess, batched=True, remove_columns=evaluation.column_names, desc="preprocess eval")
-    train.set_format("numpy")
-    evaluation.set_format("numpy")
+    set_image_formats(train, evaluation, data_args.augment_shift, training_args.seed)
 
     accuracy = load_metric("accuracy")
 
@@ -343,9 +330,9 @@ def main(argv=None):
         return accuracy.compute(predictions=np.asarray(predictions).reshape(-1), references=references)
 
     training_args.remove_unused_columns = False
-    trainer = ImageTrainer(
+    trainer = Trainer(
         model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-        data_collator=ImageCollator(), train_collator=ImageCollator(data_args.augment_shift, training_args.seed),
+        data_collator=default_data_collator,
         compute_metrics=compute_metrics, processing_class=processor,
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
     )

@@ -196,6 +196,107 @@ def test_streamed_corpus(tmp_path):
     assert info["validation_documents"] == 5 and info["eval_tokens"] == 8 * 32
 
 
+# ---- local corpora ---------------------------------------------------------------------------------------------------
+WORDS = ("def class return import self value index token block group layer model train yield lambda print "
+         "while for if else try except with open read write list dict tuple set range len sum map").split()
+
+
+def generated_text(seed: int, words: int) -> str:
+    """Deterministic pseudo-code: `words` words of a small vocabulary, 12 to a line."""
+    rng = np.random.default_rng(seed)
+    picked = [WORDS[i] for i in rng.integers(0, len(WORDS), words)]
+    return "\n".join(" ".join(picked[i:i + 12]) for i in range(0, words, 12)) + "\n"
+
+
+def local_args(tmp_path, *extra):
+    return ["--corpora", "local", "--vocab_size", "300", "--block_size", "16", "--validation_fraction", "0.3",
+            "--cache_dir", str(tmp_path / "cache"), "--output_json", str(tmp_path / "runs.json"),
+            "--output_png", str(tmp_path / "perplexity.png"), *extra]
+
+
+def test_local_folder_corpus_grouped_by_a_path_component(tmp_path, capsys):
+    """A folder of text files: groups from a path component, whole groups held out, each held-out group's share of
+    the held-out tokens reported and stored, the same protocol as the built-in corpora."""
+    root = tmp_path / "corpus"
+    sizes = {"alpha": 3, "beta": 2, "gamma": 2, "delta": 1, "epsilon": 2}
+    for g, (repo, files) in enumerate(sizes.items()):
+        for i in range(files):
+            (root / repo / "src").mkdir(parents=True, exist_ok=True)
+            (root / repo / "src" / f"m{i}.txt").write_text(generated_text(10 * g + i, 300))
+    (root / "alpha" / "notes.md").write_text("not read: only *.txt by default")
+    args = lmc.parse_args(local_args(tmp_path, "--corpus_path", str(root)))
+    docs, source = lmc.local_documents(args)
+    assert len(docs) == 10 and {d["group"] for d in docs} == set(sizes) and "path component 0" in source["documents"]
+    assert {d["id"] for d in docs if d["group"] == "beta"} == {"beta/src/m0.txt", "beta/src/m1.txt"}
+
+    data = lmc.prepare_corpus("local", args)
+    info = data["info"]
+    shares = info["validation_group_shares"]
+    assert set(shares) == set(info["validation_groups_list"]) and 1 <= len(shares) < len(sizes)
+    assert sum(shares.values()) == pytest.approx(1, abs=1e-3) and list(shares.values()) == sorted(shares.values())[::-1]
+    assert info["train_groups"] + info["validation_groups"] == len(sizes)
+    assert len(data["eval_blocks"]) > 0 and info["eval_tokens"] == 16 * len(data["eval_blocks"])
+    assert "held-out groups, share of the held-out tokens: " + next(iter(shares)) in capsys.readouterr().out
+
+    # another component: every file its own group; a component a path does not have is named
+    per_file = lmc.parse_args(local_args(tmp_path, "--corpus_path", str(root), "--group_component", "-1"))
+    assert len({d["group"] for d in lmc.local_documents(per_file)[0]}) == 3
+    deep = lmc.parse_args(local_args(tmp_path, "--corpus_path", str(root), "--group_component", "3"))
+    with pytest.raises(ValueError, match="--group_component 3: alpha/src/m0.txt has 3 path component"):
+        lmc.local_documents(deep)
+    wrong = lmc.parse_args(local_args(tmp_path, "--corpus_path", str(root), "--group_field", "repo"))
+    with pytest.raises(ValueError, match="--group_field groups the lines of a JSONL file"):
+        lmc.local_documents(wrong)
+    with pytest.raises(SystemExit):  # argparse's error: "--max_group_share is a share ... in (0, 1], got 50.0"
+        lmc.parse_args(local_args(tmp_path, "--corpus_path", str(root), "--max_group_share", "50"))
+    assert "--max_group_share is a share of the held-out tokens in (0, 1], got 50.0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs --corpus_path"):
+        lmc.local_documents(lmc.parse_args(local_args(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="no such folder or file"):
+        lmc.local_documents(lmc.parse_args(local_args(tmp_path, "--corpus_path", str(tmp_path / "missing"))))
+
+
+def test_local_jsonl_corpus_grouped_by_a_field_refuses_a_dominant_group(tmp_path, capsys):
+    """A JSONL corpus grouped by a field runs the sweep (JSON with the shares); a split where one held-out group
+    holds most of the held-out tokens is warned about, and refused under --max_group_share."""
+    path = tmp_path / "docs.jsonl"
+    # repository "monorepo" is half of the corpus: whenever it is held out it dominates the held-out tokens (it is
+    # the 8th of the 17 repositories in the split's hash order: held out at 60%, not at 10%)
+    records = [{"repo": "monorepo", "text": generated_text(i, 400)} for i in range(6)]
+    records += [{"repo": f"small{i}", "text": generated_text(100 + i, 120)} for i in range(16)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    base = local_args(tmp_path, "--corpus_path", str(path), "--group_field", "repo")
+    docs, source = lmc.local_documents(lmc.parse_args(base))
+    assert len(docs) == 22 and {d["group"] for d in docs if d["id"] <= "000000006"} == {"monorepo"}
+    assert "grouped by field 'repo'" in source["documents"]
+
+    # at 60% held out, "monorepo" (about half the tokens) is among the held-out groups, and holds most of them
+    dominated = [*base, "--validation_fraction", "0.6"]
+    shares = lmc.prepare_corpus("local", lmc.parse_args(dominated))["info"]["validation_group_shares"]
+    assert next(iter(shares)) == "monorepo" and shares["monorepo"] > 0.5
+    assert "warning: local: the held-out group 'monorepo' holds" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"held-out group 'monorepo' holds .* more than --max_group_share 0.5"):
+        lmc.prepare_corpus("local", lmc.parse_args([*dominated, "--max_group_share", "0.5"]))
+
+    # the sweep on a split without a dominant group: the same JSON, with the shares of the held-out groups
+    runs = lmc.main([*base, "--validation_fraction", "0.1", "--max_group_share", "0.5", "--variants", "dat",
+                     "--seeds", "0", "--batch_size", "2", "--train_tokens", "64", "--num_evals", "2",
+                     "--eval_blocks", "4"])
+    (run,) = runs
+    assert run["corpus"] == "local" and [e["tokens"] for e in run["evals"]] == [32, 64]
+    info = json.loads((tmp_path / "runs.json").read_text())["corpora"]["local"]
+    assert "monorepo" not in info["validation_group_shares"]
+    assert len(info["validation_group_shares"]) >= 2 and max(info["validation_group_shares"].values()) <= 0.5
+    assert "| local | DAT |" in capsys.readouterr().out
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"repo": "a", "text": "x"}) + "\n" + json.dumps({"content": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: no text field 'text'"):
+        lmc.local_documents(lmc.parse_args(local_args(tmp_path, "--corpus_path", str(bad))))
+    with pytest.raises(ValueError, match=r"line 1: no group field 'owner'"):
+        lmc.local_documents(lmc.parse_args(local_args(tmp_path, "--corpus_path", str(bad), "--group_field", "owner")))
+
+
 def test_committed_runs_give_the_documented_tables_and_figure(tmp_path, capsys):
     """docs/language_modeling.md shows the tables the committed JSON gives, and the figure redraws from it alone;
     the committed sweep has >= 3 seeds x 2 models x 2 corpora, each seed's pair on the same data and held-out tokens."""

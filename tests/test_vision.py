@@ -499,28 +499,32 @@ def test_training_script_on_an_imagefolder(tmp_path):
 
 
 def test_training_script_augments_training_batches_only(tmp_path):
+    import datasets
+
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import train_image_classification as script
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    from transformers import TrainingArguments
+    from transformers import Trainer, TrainingArguments, default_data_collator
 
-    rows = [{"pixel_values": np.random.RandomState(i).rand(1, 8, 8).astype(np.float32), "label": i % 2}
-            for i in range(4)]
-    trainer = script.ImageTrainer(
-        model=tiny_model(image_size=8, num_labels=2), train_dataset=rows, eval_dataset=rows,
+    rows = {"pixel_values": [np.random.RandomState(i).rand(1, 8, 8).astype(np.float32) for i in range(4)],
+            "label": [i % 2 for i in range(4)]}
+    train, evaluation = datasets.Dataset.from_dict(rows), datasets.Dataset.from_dict(rows)
+    script.set_image_formats(train, evaluation, shift=3, seed=0)
+    trainer = Trainer(
+        model=tiny_model(image_size=8, num_labels=2), train_dataset=train, eval_dataset=evaluation,
         args=TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, per_device_eval_batch_size=4,
                                use_cpu=True, report_to="none", remove_unused_columns=False),
-        data_collator=script.ImageCollator(), train_collator=script.ImageCollator(shift=3, seed=0),
+        data_collator=default_data_collator,
     )
-    exact = torch.stack([torch.as_tensor(r["pixel_values"]) for r in rows])
-    evaluation = next(iter(trainer.get_eval_dataloader()))
-    assert torch.equal(evaluation["pixel_values"], exact) and evaluation["labels"].tolist() == [0, 1, 0, 1]
+    exact = torch.stack([torch.as_tensor(p) for p in rows["pixel_values"]])
+    evaluation_batch = next(iter(trainer.get_eval_dataloader()))
+    assert torch.equal(evaluation_batch["pixel_values"], exact) and evaluation_batch["labels"].tolist() == [0, 1, 0, 1]
     training = next(iter(trainer.get_train_dataloader()))
-    assert training["pixel_values"].shape == exact.shape
+    assert training["pixel_values"].shape == exact.shape and training["labels"].dtype == torch.long
     assert not torch.equal(training["pixel_values"].sort(0).values, exact.sort(0).values)  # shifted
-    assert isinstance(trainer.data_collator, script.ImageCollator) and trainer.data_collator.shift == 0
+    assert torch.equal(torch.as_tensor(evaluation[0]["pixel_values"]), exact[0])  # evaluation images never shifted
 
 
 # ---- on-demand quality run (pytest -m slow) ------------------------------------------------------------------------

@@ -226,7 +226,10 @@ def load_text_dataset(
 
 def group_texts(examples: dict[str, list[list[int]]], block_size: int) -> dict[str, list[list[int]]]:
     """Concatenate tokenized examples and cut them into blocks of `block_size` tokens (the tail shorter than a block
-    is dropped); `labels` is a copy of `input_ids` (the causal LM shifts them)."""
+    is dropped); `labels` is a copy of `input_ids` (the causal LM shifts them). For `datasets.map(batched=True)`.
+
+    Transformers' `run_clm.py` function of the same name, kept here because that file is an example script, not
+    part of the installed library; neither Transformers nor datasets ship a packing function with these blocks."""
     concatenated = {k: list(chain.from_iterable(examples[k])) for k in examples}
     total = (len(concatenated["input_ids"]) // block_size) * block_size
     result = {k: [t[i : i + block_size] for i in range(0, total, block_size)] for k, t in concatenated.items()}

@@ -57,7 +57,12 @@ def preset_path(name_or_path: str, config_dir: str | os.PathLike | None = None) 
 
 
 def parse_config_overrides(overrides: str | None) -> dict:
-    """`"hidden_size=64,num_hidden_layers=2,hidden_act=gelu"` -> a dict of JSON-parsed values (strings otherwise)."""
+    """`"hidden_size=64,num_hidden_layers=2,hidden_act=gelu"` -> a dict of JSON-parsed values (strings otherwise).
+
+    Kept rather than `PretrainedConfig.update_from_string`: that sets attributes on a built config (after its
+    validation), casts each value to the type of the current one, so it refuses fields whose default is None
+    (`intermediate_size`, `sliding_window_size`, ...) and lists (`relational_heads_bias=[...]`); this gives the
+    keyword arguments of the config's constructor, which validates them."""
     result = {}
     for item in re.split(r",(?![^\[]*\])", overrides or ""):  # commas inside [...] belong to a list value
         item = item.strip()
