@@ -211,10 +211,11 @@ def validate_positions(config, symbol_retrievers, position_ids, name: str = "pos
         check_position_range(name, position_ids, position_limits(config, symbol_retrievers))
 
 
-def validate_graph_inputs(config, graph_adjacency, batch_size: int, seq_len: int, cache=None):
-    """`graph_adjacency` `[b, n, n]` (bool) for the layers whose relational bias is `graph` (no KV cache)."""
+def validate_graph_inputs(biases, graph_adjacency, batch_size: int, seq_len: int, cache=None):
+    """`graph_adjacency` `[b, n, n]` (bool) when one of the layers' `biases` is built from it (`graph`; no KV
+    cache)."""
     # CODEPATH: input check. The `graph` bias (a dat_hf feature, no released checkpoint) takes an adjacency per input.
-    if not ENABLED or "graph_adjacency" not in inputs_of(bias for pair in config.layer_biases() for bias in pair):
+    if not ENABLED or "graph_adjacency" not in inputs_of(biases):
         return
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("The `graph` relational bias does not support a KV cache (`graph_adjacency` is per input).")

@@ -211,7 +211,7 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     elif isinstance(attention_mask, dict):
         masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
     else:
-        validate_graph_inputs(config, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
+        validate_graph_inputs(biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
         masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
                             causal=causal)
     plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds),
