@@ -39,6 +39,8 @@ from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .modeling_dat_seq2seq import DATForSeq2SeqLM, DATSeq2SeqModel, DATSeq2SeqPreTrainedModel
 from .pipeline_text2text import DATText2TextPipeline  # registers the `dat-text2text` pipeline task
 from .kernels import load_cpu_kernel  # registers the compiled backends (never imported by the model files)
+from .kernel_hooks import INPUT_CHECKS
+from .input_validation import install as install_input_checks  # (never imported by the model files either)
 from .conversion import AuthorsCheckpointWarning, register_authors_format
 from .transformers_compat import TESTED_TRANSFORMERS, UntestedTransformersWarning, warn_if_untested_transformers
 
@@ -49,6 +51,8 @@ warn_if_untested_transformers()  # (a release newer than the newest tested one: 
 # crash-safe saving and the checks of local folders on load, for every DAT class (the model files, copied as a saved
 # folder's remote code, hold only the hook points: there saving and loading are Transformers' own)
 install_safe_folders(SAVE_LOAD_HOOKS)
+# the checks of the forward inputs (a `ValueError` naming the argument), likewise kept out of the remote code
+install_input_checks(INPUT_CHECKS)
 
 # The registration table: each family's `auto_classes` (Auto class -> `module.Class`, in its modeling file, which
 # `save_pretrained` also writes as the folder's remote-code `auto_map`). A new head is one entry there.

@@ -32,9 +32,11 @@ from .tensor_parallel_dat import local_tensor
 
 
 class KernelMask(NamedTuple):
-    """The mask as kernels take it: `mask` None or a tensor `[b|1, 1, q, kv]` (bool, True = attend, or additive),
-    `is_causal` (whether None means causal order), and for backends of the "window" format a `SlidingWindow` over
-    the whole sequence (then `mask` is its padding, bool `[b, 1, 1, kv]`, or None)."""
+    """The mask as kernels take it, under the one mask rule (`masking_dat.AttentionMask`): `mask` None or a tensor
+    `[b|1, 1, q, kv]` (bool, True = attend, or additive), the whole graph when given; `is_causal`, which applies only
+    when `mask` is None (receiver i at kv - q + i sees senders j <= kv - q + i); and for backends of the "window"
+    format a `SlidingWindow` over the whole sequence (then `mask` is its padding, bool `[b, 1, 1, kv]`, or None, and
+    the graph is the window and the padding)."""
 
     mask: torch.Tensor | None
     is_causal: bool
@@ -42,21 +44,25 @@ class KernelMask(NamedTuple):
 
 
 # "reference": the `AttentionMask` itself (the eager functions form its dense rows block by block); "dense": an explicit
-# tensor or None; "tensor": a `KernelMask`; "window": a `KernelMask` that may carry a sliding window; "block_mask": a
-# FlexAttention `BlockMask` (or the tensor mask, as an additive bias, where none was built)
+# tensor or None (nothing masked); "tensor": a `KernelMask`; "window": a `KernelMask` that may carry a sliding window;
+# "block_mask": a FlexAttention `BlockMask` (or the tensor mask, as an additive bias, where none was built; or, where
+# neither was, a `KernelMask` without a tensor that says whether causal order applies). Each holds the same graph under
+# the one mask rule (`masking_dat.AttentionMask`).
 MASK_FORMATS = ("reference", "dense", "tensor", "window", "block_mask")
 
 
 def mask_in_format(mask: AttentionMask, mask_format: str, q_len: int | None = None, kv_len: int | None = None,
                    device=None):
     """`mask` in one of `MASK_FORMATS` ("dense" needs the lengths and device: an implicit causal mask becomes
-    explicit)."""
+    explicit, receiver i at kv - q + i)."""
     if mask_format == "reference":
         return mask
     if mask_format == "dense":
         return mask.dense(q_len, kv_len, device)
     if mask_format == "block_mask":
-        return mask.block_mask if mask.block_mask is not None else mask.mask
+        if mask.block_mask is not None:
+            return mask.block_mask
+        return KernelMask(None, True) if mask.mask is None and mask.is_causal else mask.mask
     if mask_format == "window" and mask.window is not None:
         padding = mask.window.padding
         return KernelMask(None if padding is None else padding[:, None, None, :], mask.is_causal, mask.window)

@@ -4,6 +4,11 @@
 # License. See the LICENSE file at the root of the dat_hf repository.
 """Checks of the forward inputs of every DAT model family, run once at the top of each family's forward.
 
+The model files call them through a hook point (`kernel_hooks.check_inputs("name", ...)`, which runs
+`kernel_hooks.INPUT_CHECKS["name"]`); `import dat_hf` installs them there (`install`). This file is not copied into a
+saved folder's remote code: a model loaded as remote code without dat_hf runs unchecked, as Transformers' own models
+do.
+
 The same rules hold for every family (causal LM, sequence / token classification, vision, seq2seq encoder and
 decoder):
 
@@ -17,8 +22,8 @@ decoder):
 - Empty inputs (a batch of 0 rows, a sequence of 0 tokens, an empty source or decoder input) are refused with a
   `ValueError`: no family returns empty outputs.
 
-Checks of values (ranges, 0/1 masks) read a few numbers on the host; they are skipped while `torch.compile` traces
-(shape and dtype checks are not). `DAT_HF_VALIDATE_INPUTS=0` in the environment (read at import) or
+Checks of values (ranges, 0/1 masks) read a few numbers on the host; they are skipped while `torch.compile` or
+`torch.export` traces (shape and dtype checks are not). `DAT_HF_VALIDATE_INPUTS=0` in the environment (read at import) or
 `input_validation.ENABLED = False` turns every check off, for measuring their cost.
 """
 
@@ -26,7 +31,7 @@ import os
 
 import torch
 
-from .masking_dat import check_graph_adjacency
+from .modeling_dat_vision import classification_problem
 from .relational_biases import inputs_of
 
 ENABLED = os.environ.get("DAT_HF_VALIDATE_INPUTS", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -211,6 +216,18 @@ def validate_positions(config, symbol_retrievers, position_ids, name: str = "pos
         check_position_range(name, position_ids, position_limits(config, symbol_retrievers))
 
 
+def check_graph_adjacency(adjacency, batch_size: int, seq_len: int):
+    if adjacency is None:
+        raise ValueError("`relational_bias='graph'` needs `graph_adjacency`, a bool tensor [batch, n, n].")
+    if adjacency.dtype != torch.bool:
+        raise ValueError(f"`graph_adjacency` must be a bool tensor, got dtype {adjacency.dtype}.")
+    if tuple(adjacency.shape) != (batch_size, seq_len, seq_len):
+        raise ValueError(
+            f"`graph_adjacency` must have shape [batch, n, n] = {[batch_size, seq_len, seq_len]}, "
+            f"got {list(adjacency.shape)}."
+        )
+
+
 def validate_graph_inputs(biases, graph_adjacency, batch_size: int, seq_len: int, cache=None):
     """`graph_adjacency` `[b, n, n]` (bool) when one of the layers' `biases` is built from it (`graph`; no KV
     cache)."""
@@ -242,18 +259,6 @@ def validate_token_classification(config, input_ids, inputs_embeds, node_feature
         inputs_embeds = node_features
     if labels is not None:
         check_token_labels("labels", labels, input_shape(input_ids, inputs_embeds), config.num_labels, "num_labels")
-
-
-def classification_problem(config, labels) -> str:
-    """The loss of an HF classifier (as `ForSequenceClassificationLoss`): `config.problem_type`, else regression for
-    one label, single-label for long / int labels, multi-label otherwise."""
-    if config.problem_type is not None:
-        return config.problem_type
-    if config.num_labels == 1:
-        return "regression"
-    if labels.dtype in (torch.long, torch.int):
-        return "single_label_classification"
-    return "multi_label_classification"
 
 
 def validate_classification_labels(config, labels, *inputs):
@@ -376,6 +381,17 @@ def validate_seq2seq_inputs(input_ids, inputs_embeds, decoder_input_ids, decoder
         )
 
 
+def install(hooks):
+    """Put these checks into `hooks` (`kernel_hooks.INPUT_CHECKS`, under the names the model files call)."""
+    hooks.update(
+        text_inputs=validate_text_inputs, positions=validate_positions, graph_inputs=validate_graph_inputs,
+        lm_labels=validate_lm_labels, classification_labels=validate_classification_labels,
+        token_classification=validate_token_classification, pixel_values=validate_pixel_values,
+        source_length=validate_source_length, encoder_states=validate_encoder_states,
+        seq2seq_inputs=validate_seq2seq_inputs,
+    )
+
+
 __all__ = [
     "ENABLED",
     "check_token_ids",
@@ -384,7 +400,7 @@ __all__ = [
     "check_position_ids",
     "check_position_range",
     "check_token_labels",
-    "classification_problem",
+    "install",
     "position_limits",
     "validate_classification_labels",
     "validate_positions",

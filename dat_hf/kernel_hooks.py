@@ -2,7 +2,8 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Where compiled kernels plug into the model files, for the few functions that are not attention.
+"""Where `import dat_hf` plugs into the model files: compiled kernels, for the few functions that are not attention,
+and the input checks.
 
 `@replaceable("name")` marks a PyTorch function of the model files (the reference: RoPE, the MLP's activation and
 down projection); `register_kernel("name", function, accepts)` (called by `dat_hf.kernels` when `dat_hf` is
@@ -11,6 +12,11 @@ implementation that accepts its inputs, else the reference (always the reference
 exported program, ONNX or ExecuTorch, holds no compiled op of dat_hf's). This is Transformers' `use_kernel_func_from_hub` idea,
 local and without downloads: a model loaded as Hub remote code, without `dat_hf`, runs the references.
 Relational attention has its own registry of named backends (`relational_attention.py`).
+
+`check_inputs("name", ...)` at the top of a forward runs the input check `INPUT_CHECKS["name"]`, which `import dat_hf`
+installs (`dat_hf/input_validation.py`: a `ValueError` naming the bad argument; while `torch.compile` or
+`torch.export` traces, only the checks of shapes and dtypes); a model loaded as remote code, without `dat_hf`, has
+none and runs unchecked, as Transformers' own models do.
 """
 
 import functools
@@ -52,4 +58,14 @@ def replaceable(name: str):
     return decorator
 
 
-__all__ = ["register_kernel", "registered_kernels", "replaceable"]
+INPUT_CHECKS: dict[str, Callable[..., None]] = {}
+
+
+def check_inputs(name: str, *args, **kwargs) -> None:
+    """Run the input check `name` if one is installed (`INPUT_CHECKS`), else nothing."""
+    check = INPUT_CHECKS.get(name)
+    if check is not None:
+        check(*args, **kwargs)
+
+
+__all__ = ["INPUT_CHECKS", "check_inputs", "register_kernel", "registered_kernels", "replaceable"]

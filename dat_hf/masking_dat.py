@@ -73,16 +73,42 @@ def receiver_positions(q_len: int, kv_len: int, device, offset=None, start: int 
     return torch.arange(start, end, device=device) + receiver_offset(q_len, kv_len, offset)
 
 
+def causal_order(q_len: int, kv_len: int, device, offset=None, start: int = 0, end: int | None = None):
+    """The implicit causal order made explicit (`AttentionMask`'s rule): receivers [start, end) of `q_len` over
+    `kv_len` keys, receiver i at `receiver_offset(q_len, kv_len, offset) + i`, see senders j <= their position -> bool
+    `[1, 1, end - start, kv]` (True = attend), or None when each of them sees every sender (e.g. one receiver, a
+    decoding step, at the default offset)."""
+    first = receiver_offset(q_len, kv_len, offset)
+    if isinstance(first, int) and first + start >= kv_len - 1:
+        return None
+    positions = receiver_positions(q_len, kv_len, device, offset, start, end)[:, None]
+    return (torch.arange(kv_len, device=device)[None, :] <= positions)[None, None]
+
+
 class AttentionMask:
     """One relational bias as the attention functions take it, plus which receivers have any sender.
 
-    mask: None (no masking, or, when `is_causal`, plain causal order as Transformers' masks leave it implicit:
-        receiver i sees senders j <= i, and a single receiver (a decoding step) sees every sender; senders past the
-        receivers are then empty slots of a static cache, which the attention plan trims), bool `[b|1, 1, q, kv]` (True =
-        attend) or, from a user's 4-D mask, additive float. A sliding window over a long sequence keeps its index
-        arithmetic (`window`) instead: its blocks come from it and the dense mask is built only when asked for.
+    The mask rule: what every backend receives (this object, or `attention_plan.KernelMask` / `mask_in_format`'s
+    other formats, which carry the same fields), and what every backend computes from it; `tests/test_mask_rule.py`
+    holds each backend to it.
+    1. A mask tensor, when given, is the whole graph: it already holds the causal order, the padding and the bias,
+       so `is_causal` is ignored (a backend never intersects a given mask with causal order).
+    2. `is_causal` applies only when the mask is None: receiver i of the q new tokens sits at position offset + i
+       among the kv keys, offset = kv - q unless given (`receiver_offset`), and sees senders j <= offset + i (one
+       receiver, a decoding step, sees every sender). A None mask without `is_causal` masks nothing.
+    3. In the "window" format a `SlidingWindow` over the whole sequence stands for the mask: the graph is the window
+       (one-sided: causal) and its padding, the `KernelMask`'s tensor.
+    4. A receiver with no sender gets zeros: the producers open its row (no NaN in any kernel) and mark it in
+       `row_valid`, and the attention plan zeroes its output (the compiled kernels also give zeros for an empty row).
+    Transformers leaves a prefill into an empty static cache implicit too, its receivers at the first q of more
+    slots (the later ones empty): the attention plan trims those senders (`PlannedAttention.trims`), so that the
+    backends receive q = kv and rule 2 holds.
+
+    mask: None (see `is_causal`), bool `[b|1, 1, q, kv]` (True = attend) or, from a user's 4-D mask, additive float.
+        A sliding window over a long sequence keeps its index arithmetic (`window`) instead: its blocks come from it
+        and the dense mask is built only when asked for.
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
-    is_causal: whether a None mask means causal.
+    is_causal: whether a None mask means causal order (rule 2; ignored when a mask is given).
     block_mask: the same graph as a FlexAttention `BlockMask` (only when the model uses `flex_attention`).
     receiver_blocks: None, or `((q0, q1, kv0, kv1), ...)`: blocks of receivers and the senders any of them may
         see, when attending block by block skips a good share of the work (a sliding window, a block-sparse graph).
@@ -152,30 +178,19 @@ class AttentionMask:
             return AttentionMask(self._window_blocks[key], row_valid, False)
         return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
 
-    def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None):
+    def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None, offset=None):
         """The mask of receivers [start, end) (default: all) as an explicit tensor for code that forms its own scores:
-        bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked."""
+        bool (True = attend) or additive float `[b|1, 1, m, kv]`; None when nothing is masked. A given mask is
+        returned as it is (rule 1); the implicit causal order puts receiver i at `offset` + i (default kv - q,
+        `receiver_offset`: rule 2, `causal_order`)."""
         end = q_len if end is None else end
         if self._mask is None and self.window is not None:
             return self._from_window(start, end, 0, kv_len)
         if self.mask is not None:
             return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
-        if not self.is_causal or q_len == 1:
+        if not self.is_causal:
             return None
-        positions = receiver_positions(q_len, kv_len, device, 0, start, end)[:, None]  # sees senders j <= its position
-        return (torch.arange(kv_len, device=device)[None, :] <= positions)[None, None]
-
-
-def check_graph_adjacency(adjacency, batch_size: int, seq_len: int):
-    if adjacency is None:
-        raise ValueError("`relational_bias='graph'` needs `graph_adjacency`, a bool tensor [batch, n, n].")
-    if adjacency.dtype != torch.bool:
-        raise ValueError(f"`graph_adjacency` must be a bool tensor, got dtype {adjacency.dtype}.")
-    if tuple(adjacency.shape) != (batch_size, seq_len, seq_len):
-        raise ValueError(
-            f"`graph_adjacency` must have shape [batch, n, n] = {[batch_size, seq_len, seq_len]}, "
-            f"got {list(adjacency.shape)}."
-        )
+        return causal_order(q_len, kv_len, device, offset, start, end)
 
 
 # receivers per block when a mask lets each block see only some of the senders; blocks are used when they skip at
@@ -450,7 +465,9 @@ def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
     implicit (None) but FlexAttention heads need it, the explicit causal mask over the slots of the `BlockMask`."""
     if mask.mask is None and mask.block_mask is not None:
         q_len, kv_len = mask.block_mask.seq_lengths
-        return mask.dense(q_len, kv_len, mask.block_mask.kv_num_blocks.device)
+        # Transformers leaves causal order implicit for one receiver (it sees every slot) and for a prefill into the
+        # first slots of a static cache (the later ones empty: receiver i at slot i, offset 0), or q = kv
+        return mask.dense(q_len, kv_len, mask.block_mask.kv_num_blocks.device, offset=None if q_len == 1 else 0)
     return mask.mask
 
 
@@ -465,4 +482,4 @@ def build_masks(biases, config, inputs_embeds, attention_mask, cache=None, posit
 
 
 __all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "build_cross_attention_mask",
-           "build_masks", "check_graph_adjacency", "paged_masks", "prebuildable", "prebuilt_masks"]
+           "build_masks", "causal_order", "paged_masks", "prebuildable", "prebuilt_masks"]

@@ -38,15 +38,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .configuration_dat import DATConfig, DATEncoderConfig
 from .cache_dat import PAGED_ARGUMENTS, PagedCache, check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, use_local_heads
-from .kernel_hooks import replaceable
-from .input_validation import (
-    validate_classification_labels,
-    validate_graph_inputs,
-    validate_lm_labels,
-    validate_positions,
-    validate_text_inputs,
-    validate_token_classification,
-)
+from .kernel_hooks import check_inputs, replaceable
 from .attention_plan import AttentionPlan, gradients_flow
 from .masking_dat import build_masks, paged_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
@@ -211,7 +203,7 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     elif isinstance(attention_mask, dict):
         masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
     else:
-        validate_graph_inputs(biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
+        check_inputs("graph_inputs", biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
         masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
                             causal=causal)
     plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds),
@@ -254,7 +246,7 @@ def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_le
         position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, past_seen, device)
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
-    validate_positions(model.config, model.symbol_retrievers, position_ids, name)
+    check_inputs("positions", model.config, model.symbol_retrievers, position_ids, name)
     return position_ids, (position_ids if positions_given else None)
 
 
@@ -269,8 +261,8 @@ def prepare_decoder_inputs(model, input_ids, inputs_embeds, attention_mask, posi
     `resolve_position_ids`)."""
     config = model.config
     past_seen = self_attention_cache(cache).get_seq_length() if cache is not None and paged is None else 0
-    validate_text_inputs(input_ids, inputs_embeds, attention_mask if paged is None else None, position_ids,
-                         past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
+    check_inputs("text_inputs", input_ids, inputs_embeds, attention_mask if paged is None else None, position_ids,
+                 past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
     if inputs_embeds is None:
         inputs_embeds = model.embed_tokens(input_ids)
     batch_size, seq_len, _ = inputs_embeds.shape
@@ -347,17 +339,6 @@ def recorded_outputs(outputs) -> dict:
     return dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions, relations=outputs.relations)
 
 
-def fsdp2_original_class(model):
-    """The model's own class if FSDP2's `fully_shard` has swapped it for its generated `FSDP<Class>`, else None."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return None
-    if not isinstance(model, FSDPModule):
-        return None
-    return type(model).__mro__[type(model)._orig_cls_mro_index]
-
-
 def load_plainly(cls, from_pretrained, pretrained_model_name_or_path, *args, **kwargs):
     """Transformers' `from_pretrained`, refusing a local folder that holds an interrupted save of dat_hf's (its files
     may be half old, half new: dat_hf completes or undoes the save when it loads the folder)."""
@@ -414,51 +395,10 @@ class DATPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, with an `auto_map` covering every Auto class of the family and the
         modeling files copied beside; with dat_hf installed, crash-safe (`SAVE_LOAD_HOOKS`: after a failure or a kill
-        at any point the folder loads as the old model or the new one). Files other than the model's are kept.
-
-        A model sharded with FSDP2 (`fully_shard`) is saved by calling this on every rank: see
-        `_save_fully_sharded`."""
-        own_class = fsdp2_original_class(self)
-        if own_class is not None and not kwargs.get("distributed_checkpoint"):
-            return self._save_fully_sharded(own_class, save_directory, *args, **kwargs)
+        at any point the folder loads as the old model or the new one) and, for a model sharded with FSDP2, called
+        on every rank. Files other than the model's are kept."""
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **self.auto_classes}
         return SAVE_LOAD_HOOKS["save"](self, super().save_pretrained, save_directory, *args, **kwargs)
-
-    def _save_fully_sharded(self, own_class, save_directory, *args, **kwargs):
-        """Save an FSDP2 model as the unsharded model is saved, under its own class (`fully_shard` swaps it for a
-        generated `FSDP<Class>` defined in torch, whose name and file would go into `architectures`, `auto_map` and
-        the copied code). Without a `state_dict` this is a collective that every rank calls: the full weights are
-        gathered, rank 0 writes the folder (atomically) and every rank returns once it is complete, or raises if the
-        write failed. With a `state_dict` (gathered by the caller, e.g. Trainer) only the writing ranks call it."""
-        sharded_class = type(self)
-        gather = (len(args) < 2 and kwargs.get("state_dict") is None
-                  and getattr(self.config, "distributed_config", None) is None)  # else Transformers gathers
-        if gather:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            # full CPU tensors on rank 0, {} elsewhere; the gathered copies of tied weights do not share storage:
-            # only the source of each tied pair is kept, as without FSDP
-            full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            tied = getattr(self, "all_tied_weights_keys", None) or {}
-            kwargs["state_dict"] = {name: tensor for name, tensor in full.items() if name not in tied}
-        import torch.distributed as dist
-
-        failure = None
-        self.__class__ = own_class
-        try:
-            if not gather or dist.get_rank() == 0:  # (the other ranks hold no weights after the gather)
-                self.save_pretrained(save_directory, *args, **kwargs)
-        except Exception as error:
-            failure = error
-        finally:
-            self.__class__ = sharded_class
-        if gather:
-            status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-            dist.broadcast_object_list(status, src=0)  # the other ranks wait for rank 0's write
-            if failure is None and status[0] is not None:
-                raise RuntimeError(f"save_pretrained failed on rank 0: {status[0]}")
-        if failure is not None:
-            raise failure
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -665,7 +605,7 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
             vocab_size)` (the last `logits_to_keep` positions), `loss` with `labels`, the cache, and on request the
             hidden states, the attention weights of every head and the relations.
         """
-        validate_lm_labels(labels, input_ids, inputs_embeds, self.config.vocab_size)
+        check_inputs("lm_labels", labels, input_ids, inputs_embeds, self.config.vocab_size)
         outputs: DATModelOutputWithPast = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, graph_adjacency=graph_adjacency, **kwargs,
@@ -716,7 +656,7 @@ class DATForSequenceClassification(DATPreTrainedModel):
             `(batch_size, num_labels)`, `loss` with `labels`, the cache, and on request the hidden states and the
             attention weights of every head.
         """
-        validate_classification_labels(self.config, labels, input_ids, inputs_embeds)
+        check_inputs("classification_labels", self.config, labels, input_ids, inputs_embeds)
         outputs = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
@@ -824,7 +764,7 @@ class DATForTokenClassification(DATPreTrainedModel):
             num_labels)`, `loss` with `labels`, and on request the hidden states, the attention weights of every head
             and the relations.
         """
-        validate_token_classification(self.config, input_ids, inputs_embeds, node_features, labels)
+        check_inputs("token_classification", self.config, input_ids, inputs_embeds, node_features, labels)
         if node_features is not None:
             inputs_embeds = self.node_proj(node_features)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)

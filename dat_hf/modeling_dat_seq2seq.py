@@ -39,13 +39,7 @@ from .attention_plan import AttentionPlan, gradients_flow
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
 from .dual_attention import (DualAttention, FusedProjections, PackedCache, RelationalAttention, SensoryAttention,
                              dual_attention_outputs, project_fused)
-from .input_validation import (
-    validate_encoder_states,
-    validate_positions,
-    validate_seq2seq_inputs,
-    validate_source_length,
-    validate_text_inputs,
-)
+from .kernel_hooks import check_inputs
 from .masking_dat import build_cross_attention_mask, build_masks
 from .relational_biases import CROSS_ATTENTION_BIAS
 from .modeling_dat import (
@@ -440,17 +434,17 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
         # CODEPATH: error wording only. A separate source vocabulary: no released checkpoint (the paper's math models
         # share one character vocabulary).
         vocab_field = "encoder_vocab_size" if self.config.encoder_vocab_size else "vocab_size"
-        validate_text_inputs(input_ids, inputs_embeds, attention_mask, position_ids, vocab_size=stack.source_vocab_size,
-                             hidden_size=stack.hidden_size, vocab_field=vocab_field)
+        check_inputs("text_inputs", input_ids, inputs_embeds, attention_mask, position_ids,
+                     vocab_size=stack.source_vocab_size, hidden_size=stack.hidden_size, vocab_field=vocab_field)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch_size, seq_len, _ = inputs_embeds.shape
-        validate_source_length(seq_len, stack.max_position_embeddings, "encoder_max_position_embeddings")
+        check_inputs("source_length", seq_len, stack.max_position_embeddings, "encoder_max_position_embeddings")
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         if position_ids is None:
             position_ids = DATModel._default_position_ids(attention_mask, batch_size, seq_len, 0, inputs_embeds.device)
-        validate_positions(stack, self.symbol_retrievers, position_ids)
+        check_inputs("positions", stack, self.symbol_retrievers, position_ids)
         hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
                                                              stack.position_embedding_type)
 
@@ -517,8 +511,8 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
                 f"The seq2seq decoder needs an `EncoderDecoderCache` as `cache`, got {type(cache).__name__}.")
         inputs_embeds, cache, position_ids, mask_positions = prepare_decoder_inputs(
             self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, prefix="decoder_")
-        validate_encoder_states(encoder_hidden_states, encoder_attention_mask, inputs_embeds.shape[0],
-                                self.config.hidden_size)
+        check_inputs("encoder_states", encoder_hidden_states, encoder_attention_mask, inputs_embeds.shape[0],
+                     self.config.hidden_size)
         hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
                                                              self.config.position_embedding_type)
         output_attentions = kwargs.get("output_attentions", False)
@@ -729,8 +723,8 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
             `last_hidden_state`, the cache, and on request the hidden states, the (cross-)attention weights of every
             head and the relations of both stacks.
         """
-        validate_seq2seq_inputs(input_ids, inputs_embeds, decoder_input_ids, decoder_inputs_embeds, labels,
-                                self.config.vocab_size)
+        check_inputs("seq2seq_inputs", input_ids, inputs_embeds, decoder_input_ids, decoder_inputs_embeds, labels,
+                     self.config.vocab_size)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         outputs: DATSeq2SeqModelOutput = self.model(

@@ -28,7 +28,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 
 from .configuration_dat_vision import DATVisionConfig
 from .dual_attention import DATRotaryEmbedding
-from .input_validation import classification_problem, validate_classification_labels, validate_pixel_values
+from .kernel_hooks import check_inputs
 from .modeling_dat import (
     DAT_OUTPUT_ARGS,
     DATDecoderLayer,
@@ -211,7 +211,7 @@ class DATVisionModel(DATVisionPreTrainedModel):
             num_patches, hidden_size)`, `pooler_output` `(batch_size, hidden_size)`, and on request the hidden states,
             the attention weights of every head and the relations.
         """
-        validate_pixel_values(self.config, pixel_values, bool(interpolate_pos_encoding), self.symbol_retrievers)
+        check_inputs("pixel_values", self.config, pixel_values, bool(interpolate_pos_encoding), self.symbol_retrievers)
         for key in ("output_relations", "output_hidden_states"):
             kwargs.pop(key, None)
         hidden_states, (rows, cols) = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
@@ -241,6 +241,18 @@ class DATVisionModel(DATVisionPreTrainedModel):
         # CODEPATH: cls: the paper's ImageNet ViDAT; mean: its CIFAR and relational-games models. No released weights.
         pooled = hidden_states[:, 0] if self.config.pooling == "cls" else hidden_states.mean(dim=1)
         return DATVisionModelOutput(last_hidden_state=hidden_states, pooler_output=pooled)
+
+
+def classification_problem(config, labels) -> str:
+    """The loss of an HF classifier (as `ForSequenceClassificationLoss`): `config.problem_type`, else regression for
+    one label, single-label for long / int labels, multi-label otherwise."""
+    if config.problem_type is not None:
+        return config.problem_type
+    if config.num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
 
 
 @auto_docstring(
@@ -286,7 +298,7 @@ class DATForImageClassification(DATVisionPreTrainedModel):
             `loss` with `labels`, and on request the hidden states, the attention weights of every head and the
             relations.
         """
-        validate_classification_labels(self.config, labels, pixel_values)
+        check_inputs("classification_labels", self.config, labels, pixel_values)
         kwargs.pop("num_items_in_batch", None)
         outputs: DATVisionModelOutput = self.model(
             pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, graph_adjacency=graph_adjacency, **kwargs

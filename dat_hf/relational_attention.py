@@ -11,8 +11,9 @@ For receiver i and relational head h (Altabaa & Lafferty, 2024):
     r(x_i, x_j)_l = act(relation_scaling <x_i W_{q,l}^rel, x_j W_{k,l}^rel>)       relations  [b, R, q, kv]
 
 Every backend has the signature of `eager_relational_attention`: tensors (queries and keys with RoPE applied, W_r), the
-mask in the one format the backend declares (`RelationalBackend.mask_format`, see `attention_plan.mask_in_format`)
-and a frozen `RelationalSpec` (GQA groups, scalings, relation activation); it returns (messages, weights or None,
+mask in the one format the backend declares (`RelationalBackend.mask_format`, see `attention_plan.mask_in_format`),
+read under the one mask rule (`masking_dat.AttentionMask`: a given mask is the whole graph; `is_causal` applies to a
+None mask only, receiver i at kv - q + i), and a frozen `RelationalSpec` (GQA groups, scalings, relation activation); it returns (messages, weights or None,
 relations or None). Which backend runs which call is decided once per forward by the attention plan
 (`attention_plan.py`, with `select_relational_attention` here): `config.relational_attn_implementation` when set (an
 unsupported call then raises), else the fastest registered backend that supports the call (compiled kernels that
@@ -83,7 +84,8 @@ def eager_relational_attention(query, key, symbol_values, relation_queries, rela
 
     query `[b, h, q, d_h]`, key `[b, h_kv, kv, d_h]`, symbol values `[b|1, h_kv, kv, d_h]` (or, with `symbols_at`,
     the position-relative table `[P, h_kv, d_h]`), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`,
-    W_r `[h, d_h, R]`, the mask as an `AttentionMask` (its dense rows are formed block by block) -> messages
+    W_r `[h, d_h, R]`, the mask as an `AttentionMask` (its dense rows are formed block by block, `AttentionMask.dense`:
+    the mask rule) -> messages
     `[b, q, h, d_h]`, and with `output_attentions` the weights `[b, h, q, kv]` and relations `[b, R, q, kv]`. In
     training the blocks are recomputed in backward (activation checkpointing), so memory stays linear in the
     sequence length.

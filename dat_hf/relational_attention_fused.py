@@ -12,7 +12,9 @@ so the relational heads are one attention call whose values are `[symbol values 
 (`d_h + R d_r` wide), through Transformers' attention functions: no `[q, kv]` tensor is kept and the cache stores
 per token the attention key, the symbol value and the relation key. The cost per pair is `h (d_h + R d_r)`
 multiply-adds for the values, against `R d_r + h R` when relations are formed once for all heads (the compiled
-kernels). Signature and outputs as `relational_attention.eager_relational_attention`, each with its mask format.
+kernels). Signature and outputs as `relational_attention.eager_relational_attention`, each with its mask format,
+under the one mask rule (`masking_dat.AttentionMask`: a given mask alone decides, `is_causal` applies to a None mask
+only, receiver i at kv - q + i).
 
 FlexAttention's GPU kernels (Triton templates) hold a `[BLOCK_M, V]` accumulator and stage `[BLOCK_N, V]` value tiles
 in shared memory, `V` rounded up to a power of two, with tiles chosen for the query width alone: the values of the
@@ -22,10 +24,8 @@ in shared memory, `V` rounded up to a power of two, with tiles chosen for the qu
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
 from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, relational_output
-from .sensory_attention import flex_attention_forward
+from .sensory_attention import flex_attention_forward, sdpa_attention_forward
 
 
 # the widest value chunk of one FlexAttention call off CPU (or the query width rounded up to a power of two, if wider);
@@ -82,10 +82,11 @@ def _fused_values_attention(interface: str, query, key, symbol_values, relation_
         # zero-padding queries and keys leaves every score unchanged
         pad = value.shape[-1] - d
         query, key = nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
-        attend, attention_mask, is_causal = ALL_ATTENTION_FUNCTIONS["sdpa"], mask.mask, mask.is_causal
+        attend, attention_mask, is_causal = sdpa_attention_forward, mask.mask, mask.is_causal
         widths = [value.shape[-1]]
-    else:  # mask: a `BlockMask` (or None)
-        attend, attention_mask, is_causal = flex_attention_forward, mask, False
+    else:  # mask: a `BlockMask`, a tensor, None, or a `KernelMask` without a tensor (`mask_in_format`)
+        attend = flex_attention_forward
+        attention_mask, is_causal = (mask.mask, mask.is_causal) if isinstance(mask, tuple) else (mask, False)
         widths = flex_value_chunks(value.shape[-1], d, query.device.type)
     chunks = value.split(widths, dim=-1)
     outs = [attend(spec, query, key, chunk, attention_mask, scaling=spec.scaling, dropout=dropout,

@@ -6,6 +6,8 @@
 points of `modeling_dat.SAVE_LOAD_HOOKS`:
 
 - saving is crash-safe (`atomic_save.save_atomically`);
+- a model sharded with FSDP2 (`fully_shard`) is saved as the unsharded model is, under its own class, by calling
+  `save_pretrained` on every rank (`save_fully_sharded`);
 - loading a local folder first completes or undoes an interrupted save, checks the config against the checkpoint's
   tensor index before the model is built (`checkpoint_bounds`), and loads again if a save commits during the load
   (`atomic_save.load_consistently`).
@@ -30,9 +32,61 @@ logger = logging.get_logger(__name__)
 _PENDING_CHECKPOINT = contextvars.ContextVar("dat_hf_pending_checkpoint", default=None)
 
 
+def fsdp2_original_class(model):
+    """The model's own class if FSDP2's `fully_shard` has swapped it for its generated `FSDP<Class>`, else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    return type(model).__mro__[type(model)._orig_cls_mro_index]
+
+
+def save_fully_sharded(model, own_class, save_directory, *args, **kwargs):
+    """Save an FSDP2 model as the unsharded model is saved, under its own class (`fully_shard` swaps it for a
+    generated `FSDP<Class>` defined in torch, whose name and file would go into `architectures`, `auto_map` and the
+    copied code). Without a `state_dict` this is a collective that every rank calls: the full weights are gathered,
+    rank 0 writes the folder (atomically) and every rank returns once it is complete, or raises if the write failed.
+    With a `state_dict` (gathered by the caller, e.g. Trainer) only the writing ranks call it."""
+    import torch.distributed as dist
+
+    sharded_class = type(model)
+    gather = (len(args) < 2 and kwargs.get("state_dict") is None
+              and getattr(model.config, "distributed_config", None) is None)  # else Transformers gathers
+    if gather:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # full CPU tensors on rank 0, {} elsewhere; the gathered copies of tied weights do not share storage: only
+        # the source of each tied pair is kept, as without FSDP
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        kwargs["state_dict"] = {name: tensor for name, tensor in full.items() if name not in tied}
+    failure = None
+    model.__class__ = own_class
+    try:
+        if not gather or dist.get_rank() == 0:  # (the other ranks hold no weights after the gather)
+            model.save_pretrained(save_directory, *args, **kwargs)
+    except Exception as error:
+        failure = error
+    finally:
+        model.__class__ = sharded_class
+    if gather:
+        status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(status, src=0)  # the other ranks wait for rank 0's write
+        if failure is None and status[0] is not None:
+            raise RuntimeError(f"save_pretrained failed on rank 0: {status[0]}")
+    if failure is not None:
+        raise failure
+
+
 def save(model, save_pretrained, save_directory, *args, **kwargs):
     """`save_pretrained(save_directory, ...)` (Transformers'), written into a staging folder and switched in
-    atomically, except for what is not one whole model written here (uploads, adapters, the other ranks)."""
+    atomically, except for what is not one whole model written here (uploads, adapters, the other ranks); an FSDP2
+    model by `save_fully_sharded`."""
+    own_class = fsdp2_original_class(model)
+    if own_class is not None and not kwargs.get("distributed_checkpoint"):
+        return save_fully_sharded(model, own_class, save_directory, *args, **kwargs)
     is_main_process = args[0] if args else kwargs.get("is_main_process", True)
     if (kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
             or getattr(model, "_hf_peft_config_loaded", False) or not model.should_save_on_this_rank(is_main_process)):
@@ -87,4 +141,4 @@ def install(hooks):
     hooks.update(save=save, load=load, build=build)
 
 
-__all__ = ["build", "install", "load", "save"]
+__all__ = ["build", "fsdp2_original_class", "install", "load", "save", "save_fully_sharded"]

@@ -5,7 +5,9 @@
 """Sensory (self-)attention functions: the eager reference with explicit weights, and DAT's FlexAttention call (one
 compiled `flex_attention` per device, static shapes on CPU, DAT's masks and input copies), which the relational
 fused-values backend also calls. The sensory heads reach them through `DAT_ATTENTION_FUNCTIONS` (Transformers'
-attention interface with DAT's FlexAttention in place of Transformers' own).
+attention interface with DAT's FlexAttention and SDPA calls in place of Transformers' own). Each takes the mask and
+`is_causal` under the one mask rule (`masking_dat.AttentionMask`): a given mask alone decides; `is_causal` applies to a
+None mask only, receiver i at kv - q + i seeing senders j <= kv - q + i.
 
     out = softmax(scaling q k^T + mask) v                                   query [b, h, q, d] -> out [b, q, h, d_v]
 """
@@ -13,7 +15,10 @@ attention interface with DAT's FlexAttention in place of Transformers' own).
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
+
+from .masking_dat import causal_order
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -24,10 +29,21 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def implicit_causal(query, key, attention_mask, is_causal):
+    """The mask rule for the functions that take a mask and a causal flag apart: a given mask alone decides (returned
+    as is); a None mask with `is_causal` is causal order with receiver i at kv - q + i, explicit (bool `[1, 1, q, kv]`,
+    or None when every receiver sees every sender)."""
+    if attention_mask is not None or not is_causal:
+        return attention_mask
+    return causal_order(query.shape[2], key.shape[2], query.device)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=False,
+                            **kwargs):
     """Softmax attention with explicit weights (the sensory heads' reference). query `[b, h, q, d]`, key `[b, h_kv,
-    kv, d]`, value `[b, h_kv, kv, d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` ->
-    output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
+    kv, d]`, value `[b, h_kv, kv, d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` (the whole
+    graph; `is_causal` only for a None mask: `implicit_causal`) -> output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
+    attention_mask = implicit_causal(query, key, attention_mask, is_causal)
     weights = eager_attention_weights(module, query, key, attention_mask, scaling, dropout)
     value = repeat_kv(value, module.num_key_value_groups)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
@@ -86,13 +102,19 @@ def _compiled_flex_attention(device_type: str):
     return _compiled_flex[device_type]
 
 
-def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=False,
+                           **kwargs):
     """FlexAttention for both head types. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`,
-    attention_mask a `BlockMask`, an additive float tensor `[b|1, 1, q, kv]` or None -> output `[b, q, h, d_v]`,
-    None (no weights). Receivers without any sender get zeros (FlexAttention's convention; the callers zero them)."""
+    attention_mask a `BlockMask`, an additive float tensor `[b|1, 1, q, kv]` (either the whole graph) or None (causal
+    order with `is_causal`: `implicit_causal`) -> output `[b, q, h, d_v]`, None (no weights). Receivers without any
+    sender get zeros (FlexAttention's convention; the callers zero them)."""
     if dropout > 0:
         raise ValueError("FlexAttention has no attention dropout: use the model in eval mode, set "
                          "`attention_dropout=0`, or choose another `attn_implementation`.")
+    causal = implicit_causal(query, key, attention_mask, is_causal) if attention_mask is None else None
+    if causal is not None:  # (as an additive bias)
+        attention_mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~causal, float("-inf"))
     block_mask, score_mod = None, None
     if isinstance(attention_mask, BlockMask):
         block_mask = attention_mask
@@ -113,11 +135,26 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
     return out.transpose(1, 2).contiguous(), None
 
 
+def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=False,
+                           **kwargs):
+    """Transformers' SDPA call under the mask rule: a given mask alone decides; a None mask with `is_causal` puts
+    receiver i at kv - q + i (where 1 < q < kv, Transformers' call would keep the first q keys instead: the
+    upper-left order of an empty static cache, which the attention plan trims before it calls)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and is_causal and 1 < q_len != kv_len:
+        attention_mask = implicit_causal(query, key, None, True)
+    is_causal = bool(is_causal) and attention_mask is None
+    return transformers_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                               scaling=scaling, is_causal=is_causal, **kwargs)
+
+
 # Transformers' attention functions, with DAT's FlexAttention call (one compiled `flex_attention` per device, static
-# shapes on CPU, DAT's masks and input copies) in place of theirs: a local override, as `AttentionInterface` documents
+# shapes on CPU, DAT's masks and input copies) and SDPA call (the mask rule) in place of theirs: local overrides, as
+# `AttentionInterface` documents
 DAT_ATTENTION_FUNCTIONS = AttentionInterface()
 DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
+DAT_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
 
 
 __all__ = ["DAT_ATTENTION_FUNCTIONS", "cpu_flex_query_key", "eager_attention_forward", "eager_attention_weights",
-           "flex_attention_forward", "flex_inputs", "repeat_kv"]
+           "flex_attention_forward", "flex_inputs", "implicit_causal", "repeat_kv", "sdpa_attention_forward"]

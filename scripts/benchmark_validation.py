@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Cost of dat_hf's input validation (`dat_hf.input_validation`): a training step and greedy decoding of the
-benchmark model (`scripts/benchmark.py`'s `build("dat_hf", ...)`) with the checks on and off, alternating in one
-process (on, off, off, on per repetition, so drift hits both alike); prints the median of each and the median of the
-per-repetition ratios on / off, plus the time of the checks alone per forward and its share of a step (the precise
-figure where the machine's noise exceeds the checks' cost).
+"""Cost of dat_hf's input validation (`dat_hf.input_validation`, installed by `import dat_hf` into the model files'
+hook point `kernel_hooks.check_inputs`): a training step and greedy decoding of the benchmark model
+(`scripts/benchmark.py`'s `build("dat_hf", ...)`) with the checks on and off, alternating in one process (on, off,
+off, on per repetition, so drift hits both alike); prints the median of each and the median of the per-repetition
+ratios on / off, plus the time of the checks of ids, masks and labels alone per forward (through the hook point) and
+its share of a step (the precise figure where the machine's noise exceeds the checks' cost).
 
     python scripts/benchmark_validation.py --repeats 15
     python scripts/benchmark_validation.py --seq 512 --batch 4 --new-tokens 64 --threads 2
@@ -111,21 +112,22 @@ def main():
 
 
 def check_costs(model, x, mask, args, calls=2000) -> dict:
-    """Seconds of the checks alone, as one training forward and one decode step run them."""
+    """Seconds of the checks alone, as one training forward and one decode step run them (through the hook point)."""
     import torch
 
-    from dat_hf.input_validation import validate_lm_labels, validate_text_inputs
+    from dat_hf.kernel_hooks import check_inputs
 
     config = model.config
     decode_ids, decode_mask = x[:1, :1], torch.ones(1, args.prompt + args.new_tokens, dtype=torch.long)
 
     def train_checks():
-        validate_lm_labels(x, x, None, config.vocab_size)
-        validate_text_inputs(x, None, mask, None, 0, vocab_size=config.vocab_size, hidden_size=config.hidden_size)
+        check_inputs("lm_labels", x, x, None, config.vocab_size)
+        check_inputs("text_inputs", x, None, mask, None, 0, vocab_size=config.vocab_size,
+                     hidden_size=config.hidden_size)
 
     def decode_checks():
-        validate_text_inputs(decode_ids, None, decode_mask, None, decode_mask.shape[1] - 1,
-                             vocab_size=config.vocab_size, hidden_size=config.hidden_size)
+        check_inputs("text_inputs", decode_ids, None, decode_mask, None, decode_mask.shape[1] - 1,
+                     vocab_size=config.vocab_size, hidden_size=config.hidden_size)
 
     costs = {}
     for name, checks in (("train forward", train_checks), ("decode step", decode_checks)):

@@ -8,8 +8,9 @@ What is sent (one `HfApi.create_commit` with the default `--method commit`):
   `generation_config.json`;
 - the remote code: `configuration_dat.py`, `modeling_dat.py` and the modules it imports (`dual_attention.py`,
   `relational_attention.py`, `relational_attention_fused.py`, `sensory_attention.py`, `masking_dat.py`, `symbol_retrieval.py`,
-  `relational_biases.py`, `cache_dat.py`, `kernel_hooks.py`, `input_validation.py`, `transformers_compat.py`), so
-  `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works without dat_hf;
+  `relational_biases.py`, `cache_dat.py`, `kernel_hooks.py`, `transformers_compat.py`), so
+  `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works without dat_hf (unchecked inputs:
+  dat_hf's input checks come with `pip install dat_hf` and `import dat_hf`);
 - the tokenizer files (`tokenizer.json`, `tokenizer_config.json`, ...);
 - `README.md`: the model card from `model_cards/dat_causal_lm.md` with the real configuration, parameter count,
   training data, metrics and usage snippet;
@@ -35,7 +36,7 @@ CODE_URL = os.environ.get("DAT_HF_CODE_URL")  # link of the card's "dat_hf" ment
 
 REMOTE_CODE_FILES = ("configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
                      "relational_attention_fused.py", "sensory_attention.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-                     "relational_biases.py", "kernel_hooks.py", "input_validation.py", "transformers_compat.py")
+                     "relational_biases.py", "kernel_hooks.py", "transformers_compat.py")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "README.md") + REMOTE_CODE_FILES
 RESULT_FILES = ("all_results.json", "eval_results.json", "train_results.json", "training_run.json")

@@ -30,7 +30,7 @@ PACKAGE_DIR = Path(dat_hf.__file__).parent
 REPO_ROOT = PACKAGE_DIR.parent
 AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 # modules only the installed package needs (hooked in by `import dat_hf`): never copied as remote code
-LOCAL_ONLY = {"atomic_save.py", "checkpoint_bounds.py", "safe_folders.py"}
+LOCAL_ONLY = {"atomic_save.py", "checkpoint_bounds.py", "input_validation.py", "safe_folders.py"}
 
 TEXT = """\
 Shall I compare thee to a summer's day?

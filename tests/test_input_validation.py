@@ -1,17 +1,28 @@
 """Bad forward inputs of every family raise one ValueError naming the argument (with what was expected and what was
 received) before reaching torch; valid but unusual inputs (left padding, all-padding rows, isolated graph nodes,
-fp16 / bf16, int32 ids, bool / float masks) pass and give finite, correct outputs. Config errors and the older input
-errors (mask shapes, positions, graphs, caches) are in test_errors.py."""
+fp16 / bf16, int32 ids, bool / float masks) pass and give finite, correct outputs. The checks are installed by
+`import dat_hf` into the model files' hook point and are not part of a saved folder's remote code, which runs
+unchecked and gives the same outputs. Config errors and the older input errors (mask shapes, positions, graphs,
+caches) are in test_errors.py."""
 
+import ast
+import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_config
+from safetensors.torch import load_file, save_file
 from test_seq2seq import seq2seq_config
 from test_vision import vision_config
 from torch.testing import assert_close
 
+import dat_hf
 from dat_hf import (
     DATEncoderConfig,
     DATForCausalLM,
@@ -21,6 +32,7 @@ from dat_hf import (
     DATForTokenClassification,
     input_validation,
 )
+from dat_hf.kernel_hooks import INPUT_CHECKS
 
 VOCAB, SEQ2SEQ_VOCAB, SOURCE_VOCAB, NUM_NODE_FEATURES = 97, 50, 40, 5
 
@@ -318,3 +330,89 @@ def test_compiled_forward_skips_value_checks_only():
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     assert_close(compiled(input_ids=x, attention_mask=mask, labels=x).loss,
                  model(input_ids=x, attention_mask=mask, labels=x).loss)
+
+
+# ---- where the checks live: installed by `import dat_hf`, not in the remote code ---------------------------------
+PACKAGE_DIR = Path(dat_hf.__file__).parent
+MODEL_FILES = ("modeling_dat.py", "modeling_dat_vision.py", "modeling_dat_seq2seq.py")
+
+
+def called_checks() -> set[str]:
+    """The names of the checks the model files call (`check_inputs("name", ...)`)."""
+    names = set()
+    for name in MODEL_FILES:
+        for node in ast.walk(ast.parse((PACKAGE_DIR / name).read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_inputs":
+                names.add(node.args[0].value)
+    return names
+
+
+def test_every_called_check_is_installed():
+    """A name the model files call but `import dat_hf` does not install would skip its check silently."""
+    assert called_checks() == set(INPUT_CHECKS), called_checks() ^ set(INPUT_CHECKS)
+    assert INPUT_CHECKS["text_inputs"] is input_validation.validate_text_inputs
+
+
+REMOTE_CHILD = r'''
+import json, sys
+from pathlib import Path
+sys.modules["dat_hf"] = None  # `import dat_hf` fails: everything comes from the saved folders' code
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSeq2SeqLM
+
+work = Path(sys.argv[1])
+inputs = load_file(work / "inputs.safetensors")
+outputs, report = {}, {}
+with torch.no_grad():
+    lm = AutoModelForCausalLM.from_pretrained(work / "lm", trust_remote_code=True).eval()
+    vision = AutoModelForImageClassification.from_pretrained(work / "vision", trust_remote_code=True).eval()
+    seq2seq = AutoModelForSeq2SeqLM.from_pretrained(work / "seq2seq", trust_remote_code=True).eval()
+    report["classes"] = [type(m).__module__ for m in (lm, vision, seq2seq)]
+    outputs["lm"] = lm(input_ids=inputs["ids"], attention_mask=inputs["mask"]).logits
+    outputs["vision"] = vision(pixel_values=inputs["pixels"]).logits
+    outputs["seq2seq"] = seq2seq(input_ids=inputs["source"], decoder_input_ids=inputs["target"]).logits
+    try:  # unchecked: a mask of 2s is not refused
+        lm(input_ids=inputs["ids"], attention_mask=2 * inputs["mask"])
+        report["mask_of_2s"] = "ran"
+    except ValueError as error:
+        report["mask_of_2s"] = str(error)
+report["modules"] = sorted(name.rsplit(".", 1)[-1] for name in sys.modules if name.startswith("transformers_modules."))
+save_file(outputs, str(work / "outputs.safetensors"))
+(work / "report.json").write_text(json.dumps(report))
+'''
+
+
+@torch.no_grad()
+def test_remote_code_runs_unchecked_with_the_same_outputs(models, tmp_path):
+    """A saved folder's remote code holds no input checks (input_validation.py is not copied); loaded in a process
+    without dat_hf it runs every family with the same logits as dat_hf's classes, and takes a bad input unchecked,
+    as Transformers' own models do. In this process (dat_hf imported) the same input is refused."""
+    inputs = {"ids": ids(2, 5), "mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
+              "pixels": torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(0)),
+              "source": src(), "target": tgt()}
+    for family in ("lm", "vision", "seq2seq"):
+        models[family].save_pretrained(tmp_path / family)
+        copied = {path.name for path in (tmp_path / family).glob("*.py")}
+        assert "kernel_hooks.py" in copied and "input_validation.py" not in copied, copied
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(REMOTE_CHILD))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    report, outputs = json.loads((tmp_path / "report.json").read_text()), load_file(tmp_path / "outputs.safetensors")
+    assert all(module.startswith("transformers_modules.") for module in report["classes"]), report["classes"]
+    assert "kernel_hooks" in report["modules"] and "input_validation" not in report["modules"], report["modules"]
+    expected = {"lm": models["lm"](input_ids=inputs["ids"], attention_mask=inputs["mask"]).logits,
+                "vision": models["vision"](pixel_values=inputs["pixels"]).logits,
+                "seq2seq": models["seq2seq"](input_ids=inputs["source"], decoder_input_ids=inputs["target"]).logits}
+    for family, logits in expected.items():
+        # (float32: here dat_hf's CPU kernels may run, there the PyTorch references, which sum in other orders)
+        assert_close(outputs[family], logits, atol=1e-5, rtol=1e-5)
+    assert report["mask_of_2s"] == "ran"
+    with pytest.raises(ValueError, match="`attention_mask` must be 0/1 values"):
+        models["lm"](input_ids=inputs["ids"], attention_mask=2 * inputs["mask"])

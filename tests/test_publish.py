@@ -15,7 +15,7 @@ from dat_hf import DATForCausalLM
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
             "relational_attention_fused.py", "sensory_attention.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-            "relational_biases.py", "kernel_hooks.py", "input_validation.py", "transformers_compat.py", "README.md"}
+            "relational_biases.py", "kernel_hooks.py", "transformers_compat.py", "README.md"}
 REPO_ID = "someone/dat-tiny-shakespeare"
 
 
@@ -106,6 +106,7 @@ def test_publish_single_commit_sends_every_file(trained_folder, monkeypatch, tmp
     assert len(hub.commits) == 1 and info.oid == f"{1:040d}"  # one commit
     files = hub.commits[0]["files"]
     assert REQUIRED <= set(files), REQUIRED - set(files)
+    assert "input_validation.py" not in files  # (installed by `import dat_hf`, not part of the remote code)
     assert {"eval_results.json", "train_results.json", "training_run.json"} <= set(files)
     config = json.loads(files["config.json"])
     assert config["auto_map"] == {

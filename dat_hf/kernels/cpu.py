@@ -10,7 +10,9 @@ Backward recomputes each block from the saved log-sum-exp:
     dP = dSymbols v^T + sum_l dRelations_l rel_l      D_i = <dSymbols_i, symbols_i> + <dRelations_i, relations_i>
     dS = P (dP - D)                                   d rel_l = sum_h P_h dRelations_h,l
 
-A bool mask `[b|1, q|1, kv]` (padding, relational biases) applies per block on top of causal order. A decoding step
+A bool mask `[b|1, q|1, kv]` (padding, relational biases) applies per block, with the causal order where the op is
+asked for both (the backend asks for causal order only without a mask: the mask rule of `masking_dat.AttentionMask`,
+where a given mask is the whole graph). A decoding step
 (one receiver per row, no gradients) is one op that also applies `W_r`, reading the packed cache in place. Matrix
 products go to the BLAS inside PyTorch (`sgemm_`), element-wise work to `at::vec`. The ops are `torch.library`
 operators with fake (meta) kernels and an autograd formula, so `torch.compile` graphs call them as opaque kernels.
@@ -112,8 +114,10 @@ def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scal
     """query `[b, h, q, d_h]`, key and symbol values `[b, h_kv, kv, d_h]` (GQA: h divisible by h_kv; values may be
     expanded over the batch), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]`, all float32 on CPU;
     causal: receiver i sees senders j <= kv - q + i (the op takes the offset kv - q, `receiver_offset`); mask: None
-    or bool `[b|1, 1, q|1, kv]` (True = attend, on top of causal; a receiver without senders gets zeros) -> attended
-    symbols `[b, q, h, d_h]`, attended relations `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
+    or bool `[b|1, 1, q|1, kv]` (True = attend; the op intersects it with causal order when both are given, so the
+    backend, `cpu_relational_attention`, passes causal only without a mask, as the mask rule of
+    `masking_dat.AttentionMask` says; a receiver without senders gets zeros) -> attended symbols `[b, q, h, d_h]`,
+    attended relations `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable."""
     symbols, relations, _ = torch.ops.dat_hf.relational_attention_forward(
         *(_kernel_layout(t) for t in (query, key, values, q_rel, k_rel)), _kernel_mask(mask), causal,
         receiver_offset(query.shape[2], key.shape[2]), scaling, relation_scaling)
@@ -133,15 +137,17 @@ def relational_decode_op(query, key, values, q_rel, k_rel, relation_proj, scalin
 
 def cpu_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj, attention_mask,
                              spec, dropout=0.0, **kwargs):
-    """The `"cpu"` backend (signature and outputs as `eager_relational_attention`; the mask a `KernelMask`)."""
+    """The `"cpu"` backend (signature and outputs as `eager_relational_attention`; the mask a `KernelMask`, under the
+    mask rule: a given mask alone decides, causal order only without one)."""
     symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
     if query.shape[2] == 1 and not (torch.is_grad_enabled() and query.requires_grad):
         messages = relational_decode_op(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
                                         spec.scaling, spec.relation_scaling, attention_mask.mask)
         return messages, None, None
     attended_symbols, attended_relations = relational_attention_op(
-        query, key, symbol_values, relation_queries, relation_keys, attention_mask.is_causal, spec.scaling,
-        spec.relation_scaling, attention_mask.mask)
+        query, key, symbol_values, relation_queries, relation_keys,
+        attention_mask.is_causal and attention_mask.mask is None, spec.scaling, spec.relation_scaling,
+        attention_mask.mask)
     return relational_output(attended_symbols, attended_relations, relation_proj), None, None
 
 

@@ -643,7 +643,8 @@ def relational_attention_op(query, key, values, q_rel, k_rel, causal: bool, scal
     float16 or bfloat16) on CUDA (CPU under `TRITON_INTERPRET=1`). Receiver i sits at position p = kv - q + i;
     causal: it sees senders j <= p; window (None or an int >= 0, dat_hf's convention: `sliding_window_size`): it sees
     its `window` previous tokens and itself, p - window <= j <= p, or, two_sided, |p - j| <= window, by index
-    arithmetic (0: itself only); mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, on top of causal and window;
+    arithmetic (0: itself only); mask: None or bool `[b|1, 1, q|1, kv]` (True = attend, intersected with causal order
+    and window when given with them: the backend passes causal order only without a mask, the mask rule;
     a receiver without senders gets zeros and zero gradients) -> attended symbols `[b, q, h, d_h]`, attended relations
     `[b, q, h, R]` (scaled by `relation_scaling`). Differentiable w.r.t. the five inputs."""
     _check_inputs(query, key, values, q_rel, k_rel, mask, causal, window)
@@ -690,8 +691,9 @@ def triton_relational_attention(query, key, symbol_values, relation_queries, rel
                                 attention_mask, spec, dropout=0.0, **kwargs):
     """The `"triton"` backend (signature and outputs as `eager_relational_attention`; the mask a `KernelMask`). Inputs
     are cast to the autocast dtype under autocast. With a mask, the mask alone decides who attends (as in the
-    reference); a sliding window over the whole sequence (`KernelMask.window`, with the padding as its mask) goes to
-    the kernel as its window, never as a dense mask. A kernel that fails to compile or launch raises
+    reference; the mask rule of `masking_dat.AttentionMask`: causal order only without a mask); a sliding window
+    over the whole sequence (`KernelMask.window`, with the padding as its mask) goes to the kernel as its window (its
+    own side decides causal order), never as a dense mask. A kernel that fails to compile or launch raises
     `RelationalBackendUnavailable` naming the error (the backward kernels are run once per kernel variant before the
     first training call, see `_check_backward`), so that automatic selection falls back to the next backend."""
     device = query.device.type
@@ -703,7 +705,7 @@ def triton_relational_attention(query, key, symbol_values, relation_queries, rel
     if window is None:
         causal, window_args = attention_mask.is_causal and mask is None, {}
     else:
-        causal, window_args = attention_mask.is_causal, dict(window=window.previous, two_sided=window.two_sided)
+        causal, window_args = not window.two_sided, dict(window=window.previous, two_sided=window.two_sided)
     symbol_values = symbol_values.expand(query.shape[0], -1, -1, -1)
     try:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(

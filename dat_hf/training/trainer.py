@@ -161,7 +161,7 @@ class FSDPModelSaveMixin:
     - the gathered copies of tied weights do not share storage, so `save_pretrained` would store both: only the
       source of each tied pair (`all_tied_weights_keys`) is kept, as without FSDP;
     - FSDP2's generated class `FSDP<Class>` is undone by the model's own `save_pretrained` (see
-      `DATPreTrainedModel._save_fully_sharded`)."""
+      `dat_hf.safe_folders.save_fully_sharded`)."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
