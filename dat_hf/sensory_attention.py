@@ -111,8 +111,8 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
     if dropout > 0:
         raise ValueError("FlexAttention has no attention dropout: use the model in eval mode, set "
                          "`attention_dropout=0`, or choose another `attn_implementation`.")
-    causal = implicit_causal(query, key, attention_mask, is_causal) if attention_mask is None else None
-    if causal is not None:  # (as an additive bias)
+    causal = implicit_causal(query, key, attention_mask, is_causal)
+    if attention_mask is None and causal is not None:  # (as an additive bias)
         attention_mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~causal, float("-inf"))
     block_mask, score_mod = None, None
@@ -140,9 +140,8 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=No
     """Transformers' SDPA call under the mask rule: a given mask alone decides; a None mask with `is_causal` puts
     receiver i at kv - q + i (where 1 < q < kv, Transformers' call would keep the first q keys instead: the
     upper-left order of an empty static cache, which the attention plan trims before it calls)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and is_causal and 1 < q_len != kv_len:
-        attention_mask = implicit_causal(query, key, None, True)
+    if 1 < query.shape[2] != key.shape[2]:
+        attention_mask = implicit_causal(query, key, attention_mask, is_causal)
     is_causal = bool(is_causal) and attention_mask is None
     return transformers_sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)
