@@ -18,17 +18,10 @@ from transformers.models.auto.modeling_auto import (
 # backend, so without torchvision the top-level name is a placeholder that raises ImportError
 from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
-from .configuration_dat import DATConfig, DATEncoderConfig, DualAttentionConfig
-from .modeling_dat import (
-    ENCODER_AUTO_CLASSES,
-    DATEncoderModel,
-    DATForCausalLM,
-    DATForSequenceClassification,
-    DATForTokenClassification,
-    DATModel,
-    DATPreTrainedModel,
-    SAVE_LOAD_HOOKS,
-)
+from .configuration_dat import DATConfig, DualAttentionConfig
+from .modeling_dat import DATForCausalLM, DATForSequenceClassification, DATModel, DATPreTrainedModel, SAVE_LOAD_HOOKS
+from .configuration_dat_encoder import DATEncoderConfig
+from .modeling_dat_encoder import ENCODER_AUTO_CLASSES, DATEncoderModel, DATForTokenClassification
 from .safe_folders import install as install_safe_folders
 
 from .configuration_dat_vision import DATVisionConfig

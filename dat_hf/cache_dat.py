@@ -2,14 +2,8 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Cache layers for DAT decoding (PyTorch only).
-
-One cache layer per DAT layer holds both head types (see `PackedCache`): keys `[b, h_kv_r + h_kv_s, n, d_h]` and
-one flat value slot `[b, 1, n, width]` (sensory values | symbol values | relation keys), so keys and values have
-their own head counts. `InPlaceCacheLayer` (for `DynamicCache`) appends a decoding step without copying the cache;
-`DATStaticLayer` (for `StaticCache`, `cache_implementation="static"`, `torch.compile`) preallocates both, and
-`DATStaticSlidingWindowLayer` keeps only a sliding window's last tokens (the layers `DATConfig.layer_types` marks
-`sliding_attention`). `prepare_cache` gives a fresh cache these layers.
+"""Cache layers for DAT: keys `[b, h_kv, n, d_h]` and one flat value slot `[b, 1, n, width]` (`PackedCache`), so
+keys and values have their own head counts. `prepare_cache` gives a fresh cache these layers.
 """
 
 from functools import lru_cache, partial
@@ -20,20 +14,15 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, Dynamic
 
 
 class InPlaceCacheLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room: appending a decoding step
-    copies the new token only, where `DynamicLayer` concatenates (copies) the whole cache every step.
-
-    Buffers start at `capacity` (generate's maximum length) or at what the first update needs, and double when full.
-    Anything else that replaces `keys`/`values` (crop, beam reordering, batch selection, device moves, other dtypes)
-    is noticed at the next update, which then copies into fresh buffers, so a view handed out earlier is never
-    overwritten.
-    """
+    """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room (`capacity`, doubled when
+    full): a decoding step copies only the new token. If anything else replaced `keys`/`values` (crop, beam
+    reordering, device moves), the next update copies into fresh buffers, so earlier views are never overwritten."""
 
     def __init__(self, capacity: int | None = None):
         super().__init__()
         self.capacity = capacity
         self._length = 0
-        self._buffers = None  # (keys `[..., capacity, d_k]`, values `[..., capacity, d_v]`)
+        self._buffers = None  # keys `[..., capacity, d_k]`, values `[..., capacity, d_v]`
 
     def update(self, key_states, value_states, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -51,7 +40,7 @@ class InPlaceCacheLayer(DynamicLayer):
         return self.keys, self.values
 
     def _owns(self, length, key_states, value_states) -> bool:
-        """Whether `keys`/`values` are still this layer's prefix views, with room for the new states."""
+        """Whether `keys`/`values` are still this layer's prefix views with room for the new states."""
         if self._buffers is None or length != self._length:
             return False
         for cached, buffer, new in zip((self.keys, self.values), self._buffers, (key_states, value_states)):
@@ -76,8 +65,7 @@ class InPlaceCacheLayer(DynamicLayer):
         self._buffers = tuple(buffers)
 
     def reset(self) -> None:
-        """Drop the keys, values and buffers (a view handed out earlier keeps its values; the next update starts
-        fresh buffers). Not zeroed in place, as Transformers 5.17's `DynamicLayer.reset` would do to the views."""
+        """Drop keys, values and buffers without zeroing them in place (earlier views keep their values)."""
         self._buffers, self._length = None, 0
         self.keys = self.values = None
         self.is_initialized = False
@@ -85,9 +73,8 @@ class InPlaceCacheLayer(DynamicLayer):
 
 
 class DATStaticLayer(StaticLayer):
-    """A `StaticLayer` whose values have their own head count: keys `[b, h_kv, max_len, d_h]`, values
-    `[b, 1, max_len, width]` (`StaticLayer` sizes both from the keys' heads). `max_cache_len=None`: the length of
-    the first update (a cross-attention layer, written once with the encoder's states)."""
+    """A `StaticLayer` with keys `[b, h_kv, max_len, d_h]` and values `[b, 1, max_len, width]`;
+    `max_cache_len=None`: the first update's length (cross-attention)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.max_cache_len is None:
@@ -99,26 +86,17 @@ class DATStaticLayer(StaticLayer):
         self.values = value_states.new_zeros(self.batch_size, value_states.shape[1], self.max_cache_len,
                                              self.v_head_dim)
         self.cumulative_length = self.cumulative_length.to(self.device)
-        if not torch.compiler.is_compiling():  # fixed addresses: no graph breaks or cudagraph skips on updates
+        if not torch.compiler.is_compiling():  # fixed addresses for cudagraphs
             for tensor in (self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True
 
 
 class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
-    """A `StaticSlidingWindowLayer` (the last `max_cache_len` = min(sliding window, max length) tokens) with DAT's
-    packed values (as `DATStaticLayer`), that one compiled decoding step serves for every token, writing one slot:
-    a windowed step reads and keeps `max_cache_len` slots however long the sequence.
-
-    A ring: the token at position t lives in slot t mod `max_cache_len`. A one-token update writes that slot (no
-    branch; the tokens seen are counted in a tensor only, where Transformers' layer branches on a Python int, which
-    Dynamo guards: a graph per token) and returns the slots in ring order; longer updates (a prefill, eagerly)
-    return the window's tokens oldest first, as Transformers' layer does. Transformers builds masks oldest first:
-    `to_slots` puts a one-token step's mask in ring order, and `query_slot` gives the receiver's slot, from which the
-    position-relative symbols take their offsets modulo the ring (`RelativeSymbols`). `get_mask_sizes` reads the count
-    on the host, so the masks are built outside a compiled step (as `generate` builds them,
-    `create_masks_for_generate`).
-    """
+    """A `StaticSlidingWindowLayer` with DAT's packed values, kept as a ring: position t lives in slot
+    t mod `max_cache_len`. A one-token update writes its slot without branching (the count is a tensor, so one
+    compiled step serves every token) and returns the slots in ring order (`to_slots` rotates its mask, `query_slot`
+    gives the receiver's slot); longer updates run eagerly and return the window oldest first."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -142,7 +120,7 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
                 cache[:, :, seen:seen + new].copy_(state)
             self.cumulative_length.add_(new)
             return self.keys, self.values
-        # the new tokens see up to `size - 1` earlier ones: return those and the new ones, keep the last `size`
+        # return up to `size - 1` earlier tokens and the new ones; keep the last `size`
         earlier = torch.arange(seen - min(seen, size - 1), seen, device=self.device) % size
         kept = torch.arange(seen + new - size, seen + new, device=self.device) % size
         states = []
@@ -153,7 +131,7 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
         return tuple(states)
 
     def get_seq_length(self):
-        """The tokens seen (a tensor, as `StaticLayer`'s, so that a compiled step does not specialize on it)."""
+        """The tokens seen, as a tensor (a compiled step does not specialize on it)."""
         return self.cumulative_length if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -166,71 +144,58 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
         return super().get_mask_sizes(query_length)
 
     def to_slots(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """A mask `[..., q, kv]` built oldest first for the next update (after `get_mask_sizes`) -> in the order of
-        the keys that update returns (a one-token step over a full ring: slot s holds the ((s - seen - 1) mod
-        size)-th oldest token)."""
+        """A mask `[..., q, kv]` built oldest first -> in the order of the keys the next update returns."""
         seen, size = self.cumulative_length_int, self.max_cache_len
         if mask is None or mask.shape[-2] != 1 or seen < size:
             return mask
         return mask.roll((seen + 1) % size, dims=-1)
 
     def query_slot(self, query_length: int) -> torch.Tensor:
-        """The index of the first new token among the keys the next update returns (before it)."""
+        """The first new token's index among the keys the next update returns."""
         seen = self.cumulative_length
         return seen % self.max_cache_len if query_length == 1 else seen.clamp(max=self.max_cache_len - 1)
 
 
-# what Transformers' continuous batching hands the model's forward for its paged cache (besides ids, positions, mask)
+# what continuous batching hands the forward for its paged cache (besides ids, positions, mask)
 PAGED_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "read_index", "write_index",
                    "block_table", "is_causal", "logits_indices", "logits_processor_args")
 
 
 class PagedCache:
-    """One continuous-batching forward over Transformers' `PagedAttentionCache`, for DAT's layers: the batch is one
-    packed row of M new tokens from many requests (`position_ids` `[1, M]`, their positions in their requests), and
-    `update` hands back, request after request, every token each request's receivers may read (its cached tokens,
-    oldest first, then its new ones: N in all; a sliding-window layer's last window only): `update_packed`.
-
-    The paged cache holds, per token and layer, `num_key_value_heads` heads of `head_dim` for keys and as many for
-    values (`DATConfig.num_key_value_heads`): DAT's packed token (`PackedCache`: keys of both head types | sensory
-    values, symbol values, relation keys; `DATConfig.packed_cache_width` elements) is flattened, zero-padded to
-    `2 * num_key_value_heads * head_dim` and stored as those two halves.
-    """
+    """One continuous-batching forward over Transformers' `PagedAttentionCache`: one packed row of M new tokens
+    (`position_ids` `[1, M]`). DAT's packed token is zero-padded to `2 * num_key_value_heads * head_dim` and stored
+    as the cache's key and value halves."""
 
     def __init__(self, cache, arguments: dict, position_ids: torch.Tensor, config):
         self.cache, self.arguments = cache, arguments
         self.position_ids = position_ids.reshape(-1)  # [M]
-        # a batch of decoding steps (one new token per request): the relational heads attend one receiver per row
-        # (`AttentionPlan.build`'s `per_request`), except over position-relative symbols (rows per pair, `eager`)
+        # decoding steps: relational heads attend one receiver per row (`per_request`), except relative symbols
         self.decoding = arguments.get("max_length_q") == 1 and config.symbol_retrieval != "position_relative"
         self._relative_index = {}
 
     def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
-        """A layer's new tokens: keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` in `packed`'s order (a
-        `PackedCache`) -> what `packed.views` gives for every token the receivers may read (N): keys per head type
-        `[1, h_kv, N, d_h]`, and values. Read back, a part of the token lying in one half is a view; only the part
-        across the halves is copied. (A decoding step calls this once per layer: the views are taken straight from
-        the rows read back, `as_strided`, a handful of operators rather than a few dozen.)"""
+        """Keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` (a `PackedCache`'s order) -> as `packed.views`
+        for the N tokens the receivers may read: keys per head type `[1, h_kv, N, d_h]`, values (views except the
+        part across the halves)."""
         _, key_heads, m, d = keys.shape
         parts = [keys.transpose(1, 2).reshape(1, m, key_heads * d), *values]
         widths = tuple(part.shape[-1] for part in parts)
         heads, padding, pieces = paged_layout(widths, d)
         if padding:
             parts.append(keys.new_zeros(1, m, padding))
-        tokens = torch.cat(parts, dim=-1)  # [1, M, 2 half]: the packed token and its zero padding, one copy
+        tokens = torch.cat(parts, dim=-1)  # [1, M, 2 half]
         half = heads * d
-        # the halves as the paged cache takes them, `[1, heads, M, d]` (it moves them back to `[M, heads, d]`: views,
-        # no copy; it rewrites its kwargs' entries: a copy of them per layer)
+        # the halves as `[1, heads, M, d]` views; the cache rewrites its kwargs, so each layer gets a copy
         new = [tokens.as_strided((1, heads, m, d), (m * 2 * half, d, 2 * half, 1), tokens.storage_offset() + i * half)
                for i in (0, 1)]
         read = [_token_rows(part) for part in self.cache.update(*new, layer_idx, dict(self.arguments))]
         n = read[0][0].shape[2]
-        # each part's views (keys: one per head type): (element offset in the part, heads; 0: relation keys)
+        # per part: (element offset, heads; 0: relation keys), keys one per head type
         part_views = [[(sum(packed.key_heads[:i]) * d, h) for i, h in enumerate(packed.key_heads)]]
         part_views += [[(0, h)] for h in packed.value_heads]
         views = []
         for (h, start, end), width, offsets in zip(pieces, widths, part_views):
-            if h is None:  # across the halves: its two pieces side by side, `[N, width]`
+            if h is None:  # across the halves: both pieces, `[N, width]`
                 (first, row0, at0), (second, row1, at1) = read
                 base = torch.cat((first.as_strided((n, half - start), (row0, 1), at0 + start),
                                   second.as_strided((n, end), (row1, 1), at1)), dim=-1)
@@ -245,9 +210,7 @@ class PagedCache:
         return views[:len(packed.key_heads)], views[len(packed.key_heads):]
 
     def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:
-        """Rows of the position-relative symbol table for every (receiver, key) pair of a layer's update: long `[M,
-        N]`, `clip(key position - receiver position, -K, K) + K` (pairs across requests are masked). A request's keys
-        end with its last receiver and are consecutive positions before it."""
+        """Relative-symbol rows per (receiver, key) pair: long `[M, N]`, `clip(key pos - receiver pos, -K, K) + K`."""
         layer_type = self.cache.layer_to_allocator[layer_idx].layer_type
         if layer_type not in self._relative_index:
             starts = self.arguments["cu_seq_lens_k"]
@@ -264,9 +227,8 @@ class PagedCache:
 
 
 def _token_rows(read: torch.Tensor):
-    """A half read back, `[1, heads, N, d]` -> (a tensor over its storage, the stride between tokens, where token 0's
-    first element is), with each token's `heads * d` elements side by side (as the paged cache's rows hold them, and
-    the inputs it hands back when nothing is cached yet)."""
+    """A half read back, `[1, heads, N, d]` -> (tensor with each token's `heads * d` elements contiguous, token
+    stride, token 0's storage offset)."""
     if read.stride(3) != 1 or read.stride(1) != read.shape[3]:
         read = read.transpose(1, 2).contiguous().transpose(1, 2)
     return read, read.stride(2), read.storage_offset()
@@ -274,9 +236,8 @@ def _token_rows(read: torch.Tensor):
 
 @lru_cache(maxsize=None)
 def paged_layout(widths: tuple[int, ...], head_dim: int) -> tuple[int, int, tuple]:
-    """How a packed token of parts `widths` lies in the paged cache's two halves (keys and values, `heads` of
-    `head_dim` each): (heads, zero padding at the end, per part (half, start, end) within that half, or (None, start
-    in the first half, end in the second) for the part across them). Computed once per layer shape."""
+    """A packed token of parts `widths` in the cache's two halves -> (heads, zero padding, per part (half, start,
+    end), or (None, start in the first half, end in the second) for the part across them)."""
     width = sum(widths)
     heads = -(-width // (2 * head_dim))
     half, pieces, start = heads * head_dim, [], 0
@@ -293,9 +254,7 @@ def paged_layout(widths: tuple[int, ...], head_dim: int) -> tuple[int, int, tupl
 
 
 def query_slot(cache: Cache, layer_idx: int, query_length: int):
-    """The index, among the keys `cache.update` returns for `layer_idx`, of the first of `query_length` new tokens
-    (a static cache's keys are longer than the tokens seen; a sliding window's start past the first token, or, in a
-    ring, wherever its slot is), read before the update: the tokens seen minus the first slot's position."""
+    """The first new token's index among the keys `cache.update` returns for `layer_idx` (read before it)."""
     layer = cache.layers[layer_idx]
     if isinstance(layer, DATStaticSlidingWindowLayer):
         return layer.query_slot(query_length)
@@ -303,8 +262,7 @@ def query_slot(cache: Cache, layer_idx: int, query_length: int):
 
 
 def ring_layer(cache: Cache | None, layer_idx: int | None = None) -> DATStaticSlidingWindowLayer | None:
-    """`cache`'s layer `layer_idx` (default: its first sliding layer) if it is a ring (`DATStaticSlidingWindowLayer`,
-    whose one-token steps return keys in slot order), else None."""
+    """`cache`'s layer `layer_idx` (default: first sliding layer) if a `DATStaticSlidingWindowLayer`, else None."""
     layers = getattr(cache, "layers", ())
     if layer_idx is None:
         layer_idx = next((i for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False)), len(layers))
@@ -314,11 +272,9 @@ def ring_layer(cache: Cache | None, layer_idx: int | None = None) -> DATStaticSl
 
 def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
                   cross_attention: bool = False) -> Cache | None:
-    """Give a fresh cache DAT's layers: `DATStaticLayer`s (`DATStaticSlidingWindowLayer`s for sliding layers) in a
-    `StaticCache`, and with `in_place` `InPlaceCacheLayer`s for the full layers of a `DynamicCache` (not offloaded;
-    `capacity` is the longest sequence expected, the buffers grow past it if needed); both halves of an
-    `EncoderDecoderCache`, whose cross-attention half always gets full layers (Transformers makes it from the
-    decoder's config, sliding layers included). Layers already in use are left alone. Returns `cache`."""
+    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`/`DATStaticSlidingWindowLayer` in a `StaticCache`,
+    `InPlaceCacheLayer` (with `in_place`; `capacity`: expected length) in a `DynamicCache`; an `EncoderDecoderCache`'s
+    cross-attention half gets full layers. Returns `cache`."""
     if isinstance(cache, EncoderDecoderCache):
         prepare_cache(cache.self_attention_cache, capacity, in_place)
         prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
@@ -328,7 +284,7 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
                 continue
             if type(layer) is DynamicLayer and in_place:
                 cache.layers[i] = InPlaceCacheLayer(capacity)
-            elif type(layer) is DynamicSlidingWindowLayer and cross_attention:  # (the decoder's config made it)
+            elif type(layer) is DynamicSlidingWindowLayer and cross_attention:
                 cache.layers[i] = InPlaceCacheLayer(capacity) if in_place else DynamicLayer()
         if cache.layer_class_to_replicate is DynamicLayer and in_place:
             cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
@@ -338,16 +294,14 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
             if type(layer) is StaticLayer and unused:
                 cache.layers[i] = DATStaticLayer(layer.max_cache_len)
             elif type(layer) is StaticSlidingWindowLayer and unused:
-                cache.layers[i] = (DATStaticLayer(None) if cross_attention  # (sized by the encoder's states)
+                cache.layers[i] = (DATStaticLayer(None) if cross_attention
                                    else DATStaticSlidingWindowLayer(layer.max_cache_len,
                                                                     sliding_window=layer.max_cache_len))
     return cache
 
 
 def _initialized_ahead(layer) -> bool:
-    """Whether a Transformers static layer was initialized ahead (`early_initialization`: one shape for keys and
-    values) and holds no token yet: DAT sizes it again. Not while compiling or exporting (the layer's tensors may be
-    buffers of the traced module: see `dat_hf.export` for exporting with a cache)."""
+    """Whether a static layer was initialized ahead and holds no token (DAT resizes it); never while tracing."""
     if not layer.is_initialized or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return False
     return int(layer.cumulative_length) == 0
@@ -355,8 +309,8 @@ def _initialized_ahead(layer) -> bool:
 
 def check_cache(cache: Cache) -> None:
     """Raise for caches whose layers cannot hold DAT's packed keys and values."""
-    caches = [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [
-        cache]
+    caches = ([cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache)
+              else [cache])
     for part in caches:
         for layer in part.layers:
             if isinstance(layer, StaticLayer) and not isinstance(layer, DATStaticLayer):

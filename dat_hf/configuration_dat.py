@@ -9,10 +9,8 @@ feed-forward, norms, positions) and validates them at construction; `DATConfig` 
 config (`model_type="dat"`). Vision and seq2seq configs subclass `DualAttentionConfig` too.
 """
 
-import copy
 import dataclasses
 import math
-import weakref
 from typing import ClassVar
 
 from huggingface_hub.dataclasses import strict
@@ -78,17 +76,6 @@ def dual_attention_tp_plan(path: str, sensory: bool, relational: bool, sensory_q
                      for name in ["q_rel_proj"] + (["k_rel_proj"] if relation_keys else [])})
         plan[f"{path}.relational.o_proj"] = "rowwise"
     return plan
-
-
-# config object id -> (the dict it was built from, the keyword arguments of `from_dict`): lets `from_pretrained`
-# see that a config read by AutoConfig is older than the folder's config.json (a save committed in between)
-_SOURCES: dict[int, tuple[dict, dict]] = {}
-
-
-def config_source(config):
-    """(config dict, `from_dict` kwargs) the config was built from by `from_dict` (AutoConfig, from_pretrained), or
-    None."""
-    return _SOURCES.get(id(config))
 
 
 MAX_LAYERS = 10_000  # beyond any real model; a config.json asking for more is refused before anything is built
@@ -265,15 +252,6 @@ class DualAttentionConfig(PreTrainedConfig):
     causal_model: ClassVar[bool] = False
     # the forward tensors a relational bias may be built from (`RelationalBias.inputs`) that this config's models take
     bias_inputs: ClassVar[tuple[str, ...]] = ("graph_adjacency",)
-
-    @classmethod
-    def from_dict(cls, config_dict, **kwargs):
-        source = (copy.deepcopy(config_dict), dict(kwargs))
-        result = super().from_dict(config_dict, **kwargs)
-        config = result[0] if isinstance(result, tuple) else result
-        _SOURCES[id(config)] = source
-        weakref.finalize(config, _SOURCES.pop, id(config), None)
-        return result
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
@@ -542,44 +520,4 @@ class DATConfig(DualAttentionConfig):
                 "norm": (["hidden_states"], ["hidden_states"])}
 
 
-@auto_docstring(
-    custom_intro=r"""
-    Configuration of [`DATEncoderModel`] and [`DATForTokenClassification`]: a bidirectional DAT stack (no causal order
-    imposed), so every relational bias is allowed (`full` by default; `graph` for node classification).
-    """
-)
-@strict
-class DATEncoderConfig(DualAttentionConfig):
-    __doc__ = DUAL_ATTENTION_ARGS + r"""
-    vocab_size (`int`):
-        Token vocabulary (inputs may also be `inputs_embeds` or `node_features`).
-    num_node_features (`int`):
-        When set, [`DATForTokenClassification`] accepts `node_features` `[b, n, num_node_features]` and projects them
-        to `hidden_size`.
-
-    Example:
-
-    ```python
-    >>> from dat_hf import DATEncoderConfig, DATForTokenClassification
-    >>> config = DATEncoderConfig(hidden_size=32, num_sensory_heads=2, num_relational_heads=2, relational_bias="graph",
-    ...                           position_embedding_type="none", num_node_features=34, num_labels=2)
-    >>> model = DATForTokenClassification(config)
-    ```
-    """
-
-    model_type = "dat_encoder"
-
-    relational_bias: str | list[str] = "full"
-    vocab_size: int = 32000
-    pad_token_id: int | None = None
-    num_node_features: int | None = None
-    classifier_dropout: float = 0.0
-
-    def __post_init__(self, **kwargs):
-        _check_positive("vocab_size", self.vocab_size)
-        _check_positive("num_node_features", self.num_node_features, allow_none=True)
-        _check_probability("classifier_dropout", self.classifier_dropout)
-        super().__post_init__(**kwargs)
-
-
-__all__ = ["DualAttentionConfig", "DATConfig", "DATEncoderConfig"]
+__all__ = ["DualAttentionConfig", "DATConfig"]

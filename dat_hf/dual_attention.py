@@ -2,16 +2,11 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Dual attention: sensory (self-attention) heads beside relational heads, one implementation for every DAT model.
+"""Dual attention: sensory (self-attention) heads beside relational heads.
 
-    DualAttention(x, s) = [SensoryAttention(x) | RelationalAttention(x, s)] W_o      (heads concatenated)
-
-Sensory heads are multi-head attention through Transformers' attention interface (`config._attn_implementation`).
-Relational heads send, for receiver i and head h,
-
-    A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h),    r(x_i, x_j)_l = <x_i W_{q,l}^rel, x_j W_{k,l}^rel> / sqrt(d_r)
-
-through the relational attention interface (`relational_attention.py`: the reference and the named backends).
+    DualAttention(x, s) = [SensoryAttention(x) | RelationalAttention(x, s)] W_o
+    A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)
+    r(x_i, x_j)_l = <x_i W_{q,l}^rel, x_j W_{k,l}^rel> / sqrt(d_r)
 """
 
 from typing import NamedTuple
@@ -62,24 +57,20 @@ class DATRotaryEmbedding(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-# fewer rows than this: the projections run one by one (concatenating their weights would cost more than it saves)
+# below this many rows the projections run one by one (concatenating weights costs more than it saves)
 FUSED_PROJECTION_MIN_ROWS = 64
 
 
 def is_plain_linear(module) -> bool:
-    """An `nn.Linear` whose call is its own: no hooks, no forward installed on the instance (tensor parallelism's
-    sharding styles, Accelerate's device hooks)."""
+    """An `nn.Linear` with no hooks and no instance `forward` (TP styles, Accelerate hooks)."""
     return (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
             and "forward" not in module.__dict__)
 
 
 @replaceable("fused_linear")
 def fused_linear(linears, x):
-    """`cat([linear(x) for linear in linears], -1)` as one matrix product over the concatenated weights (one GEMM
-    forward, one per gradient backward, instead of one per projection). Wrapped projections (PEFT adapters, hooks such
-    as DeepSpeed's parameter gathering, quantized or parametrized linears) and short inputs run one by one (not while
-    `torch.export` traces: the choice would fix the exported program's batch and length). x `[..., d]` -> `[...,
-    sum of out_features]`."""
+    """`cat([linear(x) for linear in linears], -1)` as one GEMM over the concatenated weights; wrapped linears
+    (PEFT, hooks, quantized) and short inputs run one by one. x `[..., d]` -> `[..., sum of out_features]`."""
     long = torch.compiler.is_exporting() or x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS
     if long and all(map(is_plain_linear, linears)):
         weight = torch.cat([linear.weight for linear in linears])
@@ -88,17 +79,16 @@ def fused_linear(linears, x):
             bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
                               for linear in linears])
         return nn.functional.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])  # 2-d: one BLAS call per projection, no views around it (decoding is op-bound)
+    rows = x.reshape(-1, x.shape[-1])  # 2-d: one BLAS call per projection (decoding is op-bound)
     return torch.cat([linear(rows) for linear in linears], dim=-1).view(*x.shape[:-1], -1)
 
 
 class FusedProjections(NamedTuple):
-    """Several projections of one input computed as one matrix product and split into parts (`project_fused`).
-    `projections`: (head type, attribute) pairs, in the order of the fused output, looked up per call (adapters such as
-    PEFT's replace the modules); `widths`: each part's output features (a part may hold consecutive projections, e.g.
-    the keys and queries of every head); under tensor parallelism, `local_widths`: the features each part's
-    projections compute on this rank, and `sharded`: whether some are sharded. Tuples: Dynamo guards them as
-    constants."""
+    """Projections of one input as one matrix product split into parts (`project_fused`).
+
+    projections: (head type, attribute) pairs in fused-output order, looked up per call (PEFT replaces modules).
+    widths: each part's output features. local_widths: this rank's (tensor parallelism). sharded: whether any is.
+    """
 
     projections: tuple
     widths: tuple
@@ -107,23 +97,22 @@ class FusedProjections(NamedTuple):
 
     @classmethod
     def plan(cls, sensory, relational, parts: list) -> "FusedProjections":
-        """`parts`: (its projections as (head type, attribute) pairs, its width) per part, from the heads' counts."""
+        """`parts`: ((head type, attribute) pairs, width) per part."""
         projections = tuple(projection for names, _ in parts for projection in names)
         linears = dict(zip(projections, head_linears(sensory, relational, projections)))
-        rows = {projection: local_rows(linear) for projection, linear in linears.items()}  # this rank's features
+        rows = {projection: local_rows(linear) for projection, linear in linears.items()}
         local_widths = tuple(sum(rows[projection] for projection in names) for names, _ in parts)
         sharded = any(linear.weight.shape[0] != rows[projection] for projection, linear in linears.items())
         return cls(projections, tuple(width for _, width in parts), local_widths, sharded)
 
 
 def head_linears(sensory, relational, projections) -> list:
-    """The modules named by (head type, attribute) pairs, looked up now."""
+    """The modules named by (head type, attribute) pairs."""
     return [getattr(relational if owner == "relational" else sensory, name) for owner, name in projections]
 
 
 def project_fused(fused: FusedProjections, sensory, relational, x) -> list:
-    """The parts of `fused` for x `[b, n, d]`: `[b, n, width]` each (`fused_linear`; under tensor parallelism this
-    rank's own output features, the relation projections' gathered whole: `sharded_projections`)."""
+    """x `[b, n, d]` -> the parts of `fused`, `[b, n, width]` each (`sharded_projections` under TP)."""
     linears = head_linears(sensory, relational, fused.projections)
     if fused.sharded and all(map(column_sharded, linears)):
         return sharded_projections(linears, x, fused.local_widths, fused.widths)
@@ -131,11 +120,8 @@ def project_fused(fused: FusedProjections, sensory, relational, x) -> list:
 
 
 def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
-    """`output_attentions`: every head's weights as one tensor `[b, h_s + h_r, q, kv]` (sensory heads first, zero
-    rows for receivers without senders), from which both head types aggregate, so the weights returned are the ones
-    the outputs come from. `sensory_inputs` (query, key, value, plan entry) and `relational_inputs` (query, key,
-    symbol values, relation queries, relation keys, plan entry, symbols_at), for the head types the layer has ->
-    (output `[b, q, h_s * d_h + h_r * d_h]`, weights, relations `[b, R, q, kv]` or None)."""
+    """`output_attentions`: outputs from the explicit weights that are returned -> (output `[b, q, (h_s + h_r)
+    d_h]`, weights `[b, h_s + h_r, q, kv]` (sensory first, zero rows without senders), relations `[b, R, q, kv]`)."""
     parts, relations = [], None
     if sensory is not None:
         parts.append(sensory.attention_weights(*sensory_inputs))
@@ -154,11 +140,8 @@ def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
 
 
 class SensoryAttention(nn.Module):
-    """Standard multi-head self-attention (GQA) over the Transformers attention interface.
-
-    `forward` takes q `[b, h, q, d_h]`, k, v `[b, h_kv, kv, d_h]` (projected, with RoPE, by `DualAttention`), attends
-    and projects: -> output `[b, q, h * d_h]`, weights `[b, h, q, kv]` or None.
-    """
+    """Multi-head self-attention (GQA) through `attention`, this forward's plan entry: q `[b, h, q, d_h]`, k, v
+    `[b, h_kv, kv, d_h]` (RoPE applied) -> output `[b, q, h * d_h]`, None."""
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
@@ -171,8 +154,8 @@ class SensoryAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         d, hd = config.hidden_size, self.head_dim
-        # CODEPATH: own projections: every released checkpoint; shared (`share_attention_params`): none, the reference's
-        # `share_attn_params` option. With it, queries and keys come from the relational heads' attention projections.
+        # CODEPATH: own projections: every released checkpoint; shared (`share_attention_params`, q and k from the
+        # relational heads): none, the reference's `share_attn_params` option.
         if not config.share_attention_params:
             self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
             self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
@@ -181,12 +164,11 @@ class SensoryAttention(nn.Module):
         self.o_proj.residual_init = True
 
     def forward(self, query, key, value, attention: PlannedSensory, **kwargs):
-        """`attention`: this forward's plan entry for the heads' bias (function and mask)."""
         out = attention(self, query, key, value, self.attention_dropout if self.training else 0.0, **kwargs)
         return self.o_proj(out.reshape(*out.shape[:2], -1)), None
 
     def attention_weights(self, query, key, value, attention: PlannedSensory):
-        """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders); see `attend_with_weights`."""
+        """Explicit weights `[b, h, q, kv]`, zero rows for receivers without senders."""
         weights = eager_attention_weights(self, query, key,
                                           attention.weights_mask(query.shape[2], key.shape[2], query.device),
                                           self.scaling, self.attention_dropout if self.training else 0.0)
@@ -199,13 +181,11 @@ class SensoryAttention(nn.Module):
 
 
 class RelationalAttention(nn.Module):
-    """Relational attention heads: `A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)`.
+    """Relational heads: `A_i^h = sum_j a_ij^h (r(x_i, x_j) W_r^h + s_j W_s^h)`.
 
-    `forward` takes the attention query `[b, h, q, d_h]` and key `[b, h_kv, kv, d_h]` (RoPE applied), symbol values
-    (`[b|1, h_kv, kv, d_h]`, or the per-offset table `[2K + 1, h_kv, d_h]` for position-relative symbols; see
-    `project_symbols`), relation queries `[b, q, R, d_r]` and relation keys `[b, kv, R, d_r]` (`DualAttention`
-    projects them all), runs the backend this forward's plan entry holds (`attention_plan.PlannedRelational`) and
-    projects: -> output `[b, q, h * d_h]`. The backend of the last call is `relational_attention_backend`.
+    query `[b, h, q, d_h]`, key `[b, h_kv, kv, d_h]`, symbol values `[b|1, h_kv, kv, d_h]` (or the table
+    `[2K + 1, h_kv, d_h]`), relation queries `[b, q, R, d_r]`, relation keys `[b, kv, R, d_r]` -> `[b, q, h * d_h]`,
+    through `attention`, this forward's plan entry (its backend is recorded as `relational_attention_backend`).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
@@ -225,8 +205,7 @@ class RelationalAttention(nn.Module):
         self.max_relative_position = config.max_relative_position
         self.symmetric_relations = config.symmetric_relations
         self.relation_activation = config.relation_activation
-        # CODEPATH: identity: the released LMs (configs/dat-343m.json), the reference's default `rel_activation`;
-        # other activations: no released checkpoint, the reference's `rel_activation` option.
+        # CODEPATH: identity: the released LMs (configs/dat-343m.json); other `rel_activation`s: no released checkpoint.
         self.relation_act = ACT2FN[config.relation_activation] if config.relation_activation != "identity" else None
         self.relational_attention_backend = None
         d, hd, rd = config.hidden_size, self.head_dim, self.num_relations * self.relation_dim
@@ -248,26 +227,22 @@ class RelationalAttention(nn.Module):
         return self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
 
     def symbols_at(self, query_offset=None, ring: int | None = None, relative_position_index=None):
-        """Where receivers read the position-relative symbol table (None for symbols per sender): `query_offset`, the
-        first receiver's index among the keys (default kv - q); `ring`, keys in a ring of that many slots;
-        `relative_position_index` (long `[q, kv]`), precomputed rows (e.g. 2-D offsets on an image grid)."""
+        """A `RelativeSymbols` (None for symbols per sender): `query_offset` default kv - q; `ring` slots;
+        `relative_position_index` long `[q, kv]`, precomputed rows."""
         if not self.relative_symbols:
             return None
         return RelativeSymbols(self.max_relative_position, query_offset, ring, relative_position_index)
 
     def forward(self, query, key, symbol_values, relation_queries, relation_keys, attention: PlannedRelational,
                 symbols_at: RelativeSymbols | None = None, **kwargs):
-        """`attention`: this forward's plan entry for the heads' bias (backend and mask); `symbols_at`: see
-        `symbols_at`."""
         messages = attention(self, query, key, symbol_values, relation_queries, relation_keys, symbols_at)
         return self.o_proj(messages.reshape(*messages.shape[:2], -1)), None, None
 
     def attention_weights(self, query, key, symbol_values, relation_queries, relation_keys,
                           attention: PlannedRelational):
-        """Explicit weights `[b, h, q, kv]` (zero rows for receivers without senders) and relations `[b, R, q, kv]`;
-        see `attend_with_weights`."""
+        """Explicit weights `[b, h, q, kv]` (zero rows without senders) and relations `[b, R, q, kv]`."""
         if not torch.compiler.is_compiling():
-            self.relational_attention_backend = attention.name  # ("eager": the reference's stages)
+            self.relational_attention_backend = attention.name
         weights, relations = relational_weights(
             query, repeat_kv(key, self.num_key_value_groups), relation_queries, relation_keys,
             attention.weights_mask(query.shape[2], key.shape[2], query.device), self.spec,
@@ -278,23 +253,21 @@ class RelationalAttention(nn.Module):
         """Messages from explicit weights `[b, h, q, kv]` and relations, projected: -> `[b, q, h * d_h]`."""
         b, _, q_len, kv_len = weights.shape
         symbol_index = None if symbols_at is None else symbols_at.rows(0, q_len, q_len, kv_len, weights.device)
-        messages = relational_messages(weights, relations, per_head_symbols(symbol_values, self.num_key_value_groups, b),
+        messages = relational_messages(weights, relations,
+                                       per_head_symbols(symbol_values, self.num_key_value_groups, b),
                                        local_tensor(self.relation_proj), symbol_index)
         return self.o_proj(messages.reshape(b, q_len, -1))
 
 
 class PackedCache:
-    """The layout of one cache layer for a layer's heads, the same for self- and cross-attention: keys `[b, h_kv_r +
-    h_kv_s, n, d_h]` (relational heads first; none of the sensory heads' when they share the relational heads' keys)
-    and one flat value slot `[b, 1, n, width]` = sensory values | symbol values | relation keys (those the layer
-    has; no symbol values for position-relative symbols, whose table is not cached), so that keys and values keep
-    their own head counts through `Cache.update`."""
+    """One cache layer's layout: keys `[b, h_kv_r + h_kv_s, n, d_h]` (relational first) and one flat value slot
+    `[b, 1, n, width]` = sensory values | symbol values | relation keys (those the layer has)."""
 
     def __init__(self, sensory, relational, head_dim: int, shared_keys: bool = False):
         self.head_dim = head_dim
         self.key_heads = tuple(m.num_kv_heads for m in (relational, sensory)
                                if m is not None and not (m is sensory and shared_keys))
-        value_heads = (sensory.num_kv_heads,) if sensory is not None else ()  # (0: relation keys `[b, n, R, d_r]`)
+        value_heads = (sensory.num_kv_heads,) if sensory is not None else ()  # 0: relation keys `[b, n, R, d_r]`
         if relational is not None:
             value_heads += ((relational.num_kv_heads,) if not relational.relative_symbols else ()) + (0,)
             self.relation_shape = (relational.num_relations, relational.relation_dim)
@@ -303,8 +276,7 @@ class PackedCache:
                                   for h in value_heads)
 
     def pack(self, keys: list, values: list):
-        """Keys `[b, h_kv, n, d_h]` in `key_heads` order and flat values `[b, n, width]` in `value_heads` order ->
-        (keys `[b, sum h_kv, n, d_h]`, values `[b, 1, n, sum width]`)."""
+        """Keys `[b, h_kv, n, d_h]`, flat values `[b, n, width]` -> `[b, sum h_kv, n, d_h]`, `[b, 1, n, sum width]`."""
         return (torch.cat(keys, dim=1) if len(keys) > 1 else keys[0],
                 (torch.cat(values, dim=-1) if len(values) > 1 else values[0])[:, None])
 
@@ -313,52 +285,41 @@ class PackedCache:
         return self.views(key_cache, value_cache[:, 0].split(self.value_widths, dim=-1))
 
     def views(self, key_cache, values: list):
-        """Keys `[b, sum h_kv, N, d_h]` and flat values `[b, N, width]` (not packed: no cache) -> (keys per head type
-        `[b, h_kv, N, d_h]`, values: see `value_views`)."""
+        """Keys `[b, sum h_kv, N, d_h]`, flat values -> keys per head type `[b, h_kv, N, d_h]`, `value_views`."""
         return key_cache.split(self.key_heads, dim=1), self.value_views(values)
 
     def value_views(self, values: list) -> list:
-        """Flat values `[b, N, width]` -> sensory values and symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N,
-        R, d_r]` (those the layer has, in that order)."""
+        """Flat values `[b, N, width]` -> sensory/symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R, d_r]`."""
         return [part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
                 else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
 
 
 class DualAttention(nn.Module):
-    """Sensory heads and relational heads side by side; their outputs are concatenated (as in the reference).
+    """Sensory and relational heads side by side, outputs concatenated; one fused input projection, one cache layer.
 
-    Every projection of the layer input (attention queries and keys of both head types, sensory values, relation
-    queries and keys) is one matrix product (`fused_linear`), and RoPE rotates all queries and keys at once. One cache
-    layer per DAT layer holds both head types (`PackedCache`).
-
-    hidden_states `[b, n, d]`, symbols `[b|1, n, d]` (or the position-relative table), this forward's plan entries of
-    the two head types' biases -> output `[b, n, d]`, weights `[b, h_s + h_r, n, kv]` (sensory heads first) and
-    relations `[b, R, n, kv]` (both only with `output_attentions`, which comes in the kwargs as in Transformers).
+    hidden_states `[b, n, d]`, symbols `[b|1, n, d]` (or the relative table) -> output `[b, n, d]`, weights
+    `[b, h_s + h_r, n, kv]` and relations `[b, R, n, kv]` (both only with `output_attentions`).
     """
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
-        # CODEPATH: sensory heads: every released checkpoint; none: no released checkpoint (an all-relational stack,
-        # which the reference allows with `n_heads_sa=0`).
+        # CODEPATH: sensory heads: every released checkpoint; none (`n_heads_sa=0`): no released checkpoint.
         self.sensory = SensoryAttention(config, layer_idx, is_causal) if config.num_sensory_heads > 0 else None
-        # CODEPATH: relational heads: the released DAT LMs (awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M); none: the
-        # Transformer baselines (awni00/T-sa24-757M).
+        # CODEPATH: relational heads: awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M; none: awni00/T-sa24-757M.
         self.relational = RelationalAttention(config, layer_idx, is_causal) if config.num_relational_heads > 0 else None
         self.share_qk = config.share_attention_params and self.sensory is not None and self.relational is not None
         self.head_dim = config.head_dim
         self.plan_projections()
 
     def plan_projections(self):
-        """The bookkeeping of the fused input projection and of the cache layout, from the heads' counts (again after
-        tensor parallelism leaves each rank its own heads: `use_local_heads`)."""
+        """The fused input projection and cache layout, from the head counts (rerun by `use_local_heads`)."""
         rel, sen = self.relational, self.sensory
         self.packed = PackedCache(sen, rel, self.head_dim, self.share_qk)
         own_qk = [m for m in (rel, sen) if m is not None and not (m is sen and self.share_qk)]
         self._query_heads = tuple(m.num_heads for m in own_qk)
         self._key_heads_total = sum(self.packed.key_heads)
-        # the projections of the layer input, in the order of the fused output: keys [relational | sensory] and
-        # queries [relational | sensory] (one part), sensory values, relation queries, relation keys
+        # fused output: [keys | queries] (relational first), sensory values, relation queries, relation keys
         names = {"relational": ("k_attn_proj", "q_attn_proj"), "sensory": ("k_proj", "q_proj")}
         owners = ["relational" if m is rel else "sensory" for m in own_qk]
         keys_queries = [(o, names[o][0]) for o in owners] + [(o, names[o][1]) for o in owners]
@@ -373,28 +334,25 @@ class DualAttention(nn.Module):
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
         b, n, _ = hidden_states.shape
-        relational, sensory = self.relational, self.sensory  # (looked up once: module attributes are slow to get)
+        relational, sensory = self.relational, self.sensory  # module attribute lookups are slow
         parts = project_fused(self.input_projections, sensory, relational, hidden_states)
-        # [keys | queries] of every head, `[b, n, heads, d_h]`: RoPE once for all, then `[b, heads, n, d_h]` views
+        # [keys | queries] `[b, n, heads, d_h]`: RoPE once, then `[b, heads, n, d_h]` views
         keys_queries = parts.pop(0).view(b, n, -1, self.head_dim)
         if position_embeddings is not None:
             keys_queries = apply_rotary(keys_queries, *position_embeddings)
         keys_queries = keys_queries.transpose(1, 2)
-        key_cache = keys_queries[:, : self._key_heads_total]  # what the cache stores
-        values = []  # flat `[b, n, width]`: sensory values, symbol values, relation keys (those the layer has)
+        key_cache = keys_queries[:, : self._key_heads_total]
+        values = []  # flat `[b, n, width]`: sensory values, symbol values, relation keys
         if sensory is not None:
             values.append(parts.pop(0))
         symbols_at = None
         if relational is not None:
             relation_queries = parts[0].view(b, n, relational.num_relations, relational.relation_dim)
-            # relation keys `[b, n, R * d_r]` (the relation queries themselves for symmetric relations)
             if relational.relative_symbols:
                 symbol_values = relational.project_symbols(symbols)  # the per-offset table, not cached
-                # the receivers' index among the cached keys (a static cache is longer, a sliding one starts later,
-                # a ring's keys are in slot order; a copy: a static layer counts its length in a tensor the update
-                # increments)
+                # receivers' index among the cached keys (a copy: a static layer's count is updated in place)
                 query_offset = ring = None
-                if isinstance(cache, PagedCache):  # (a packed batch of requests: rows per pair)
+                if isinstance(cache, PagedCache):  # rows per pair
                     relative_position_index = cache.relative_position_index(self.layer_idx,
                                                                             relational.max_relative_position)
                 elif cache is not None:
@@ -404,15 +362,14 @@ class DualAttention(nn.Module):
                                                    relative_position_index)
             else:
                 values.append(relational.symbol_proj(symbols).expand(b, n, -1))
-            values.append(parts[-1])
-        if isinstance(cache, PagedCache):  # (continuous batching)
+            values.append(parts[-1])  # relation keys (the relation queries for symmetric relations)
+        if isinstance(cache, PagedCache):
             keys, values = cache.update_packed(self.packed, key_cache, values, self.layer_idx)
         elif cache is not None:
             keys, values = self.packed.unpack(*cache.update(*self.packed.pack([key_cache], values), self.layer_idx))
         else:
             keys, values = self.packed.views(key_cache, values)
         queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)
-        # with shared attention parameters the sensory heads use the relational heads' queries and keys
         q_r, k_r = queries[0], keys[0]
         q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
         if relational is not None and not relational.relative_symbols:
@@ -424,8 +381,7 @@ class DualAttention(nn.Module):
 
 
 def dual_attention_outputs(sensory, relational, sensory_inputs, relational_inputs, **kwargs):
-    """Both head types' outputs, concatenated (sensory first): one call each, or `attend_with_weights` for
-    `output_attentions` -> (output `[b, q, h_s * d_h + h_r * d_h]`, weights or None, relations or None)."""
+    """-> (output `[b, q, (h_s + h_r) d_h]` (sensory first), weights or None, relations or None)."""
     if kwargs.get("output_attentions", False):
         return attend_with_weights(sensory, relational, sensory_inputs, relational_inputs)
     outputs = []
@@ -437,10 +393,8 @@ def dual_attention_outputs(sensory, relational, sensory_inputs, relational_input
 
 
 def use_local_heads(model, tp_size: int) -> None:
-    """After Transformers has sharded `model` for tensor parallelism (`tensor_parallel_dat`): every attention module
-    left with the heads its rank holds, and the layers' projection bookkeeping and cache layout rebuilt for them. The
-    relation projections may be sharded only with their outputs gathered (`dat_gather`): every head reads every
-    relation."""
+    """After TP sharding: each attention module keeps its rank's heads. Raises ValueError if a relation projection
+    is sharded other than by `dat_gather` (every head reads every relation)."""
     plan = model.tp_plan or {}
     for name, module in model.named_modules():
         if isinstance(module, SensoryAttention):
@@ -460,4 +414,5 @@ def use_local_heads(model, tp_size: int) -> None:
 
 
 __all__ = ["DualAttention", "FusedProjections", "PackedCache", "SensoryAttention", "RelationalAttention",
-           "DATRotaryEmbedding", "apply_rotary", "project_fused", "dual_attention_outputs", "eager_attention_forward", "fused_linear", "use_local_heads"]
+           "DATRotaryEmbedding", "apply_rotary", "project_fused", "dual_attention_outputs", "eager_attention_forward",
+           "fused_linear", "use_local_heads"]

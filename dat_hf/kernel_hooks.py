@@ -2,21 +2,11 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Where `import dat_hf` plugs into the model files: compiled kernels, for the few functions that are not attention,
-and the input checks.
+"""Where `import dat_hf` plugs into the model files (remote code without `dat_hf` runs the references, unchecked).
 
-`@replaceable("name")` marks a PyTorch function of the model files (the reference: RoPE, the MLP's activation and
-down projection); `register_kernel("name", function, accepts)` (called by `dat_hf.kernels` when `dat_hf` is
-imported) adds an implementation for the inputs where `accepts(*args)` is true. A call runs the first registered
-implementation that accepts its inputs, else the reference (always the reference while `torch.export` traces: an
-exported program, ONNX or ExecuTorch, holds no compiled op of dat_hf's). This is Transformers' `use_kernel_func_from_hub` idea,
-local and without downloads: a model loaded as Hub remote code, without `dat_hf`, runs the references.
-Relational attention has its own registry of named backends (`relational_attention.py`).
-
-`check_inputs("name", ...)` at the top of a forward runs the input check `INPUT_CHECKS["name"]`, which `import dat_hf`
-installs (`dat_hf/input_validation.py`: a `ValueError` naming the bad argument; while `torch.compile` or
-`torch.export` traces, only the checks of shapes and dtypes); a model loaded as remote code, without `dat_hf`, has
-none and runs unchecked, as Transformers' own models do.
+`@replaceable("name")` marks a reference function; `register_kernel("name", function, accepts)` adds an
+implementation used when `accepts(*args)` (never while `torch.export` traces). `check_inputs("name", ...)` runs
+`INPUT_CHECKS["name"]` if installed.
 """
 
 import functools
@@ -28,14 +18,13 @@ _KERNELS: dict[str, list[tuple[Callable, Callable[..., bool]]]] = {}
 
 
 def register_kernel(name: str, function: Callable, accepts: Callable[..., bool]) -> None:
-    """Add `function` as an implementation of the replaceable function `name`, used when `accepts(*args, **kwargs)`
-    is true (registering the same function again replaces its entry)."""
+    """Add (or replace) `function` as an implementation of `name`, used when `accepts(*args, **kwargs)`."""
     kernels = [entry for entry in _KERNELS.get(name, []) if entry[0] is not function]
     _KERNELS[name] = kernels + [(function, accepts)]
 
 
 def registered_kernels(name: str) -> list[Callable]:
-    """The implementations registered for `name`, in the order they are tried."""
+    """The implementations registered for `name`, in trial order."""
     return [function for function, _ in _KERNELS.get(name, [])]
 
 
@@ -62,7 +51,7 @@ INPUT_CHECKS: dict[str, Callable[..., None]] = {}
 
 
 def check_inputs(name: str, *args, **kwargs) -> None:
-    """Run the input check `name` if one is installed (`INPUT_CHECKS`), else nothing."""
+    """Run the input check `name` if one is installed."""
     check = INPUT_CHECKS.get(name)
     if check is not None:
         check(*args, **kwargs)

@@ -27,7 +27,6 @@ from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
-    TokenClassifierOutput,
 )
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
@@ -35,7 +34,7 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_dat import DATConfig, DATEncoderConfig
+from .configuration_dat import DATConfig
 from .cache_dat import PAGED_ARGUMENTS, PagedCache, check_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, use_local_heads
 from .kernel_hooks import check_inputs, replaceable
@@ -184,6 +183,15 @@ def init_dat_stack(model, config, layers: list, uses_symbols: bool, symbol_confi
     model.gradient_checkpointing = False
 
 
+def init_text_stack(model, config, vocab_size: int, layers: list, **stack):
+    """A token stack: embeddings `[vocab_size, d]`, positions (`init_positions`), embedding dropout, then the stack
+    (`init_dat_stack(model, config, layers, **stack)`)."""
+    model.embed_tokens = nn.Embedding(vocab_size, config.hidden_size, config.pad_token_id)
+    init_positions(model, config)
+    model.dropout = nn.Dropout(config.embedding_dropout)
+    init_dat_stack(model, config, layers, **stack)
+
+
 def self_attention_cache(cache):
     """The cache of the layers' own keys and values: an `EncoderDecoderCache`'s self-attention half, else `cache`."""
     return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
@@ -305,6 +313,21 @@ def run_dat_layers(layers, symbol_retrievers, hidden_states, position_ids, layer
         hidden_states = layer(hidden_states, layer_symbols, *cross_inputs, sensory_plan=plan.sensory[sensory_bias],
                               relational_plan=plan.relational[relational_bias], **layer_kwargs)
     return hidden_states
+
+
+def run_text_stack(model, inputs_embeds, attention_mask, cache, position_ids, mask_positions, symbol_retrievers,
+                   kwargs: dict, graph_adjacency=None, source=None, **layer_kwargs):
+    """The body of a decoder forward after `prepare_decoder_inputs`: positions embedded, the attention plan
+    (`plan_layers`), the layers (`run_dat_layers`, with `source` for cross-attention), the final norm.
+    inputs_embeds `[b, n, d]` -> hidden_states `[b, n, d]`."""
+    hidden_states, position_embeddings = embed_positions(model, inputs_embeds, position_ids,
+                                                         model.config.position_embedding_type)
+    layer_biases, plan = plan_layers(model, inputs_embeds, attention_mask, cache, mask_positions, graph_adjacency,
+                                     model.is_causal, kwargs.get("output_attentions", False))
+    hidden_states = run_dat_layers(model.layers, symbol_retrievers, hidden_states, position_ids, layer_biases, plan,
+                                   source, position_embeddings=position_embeddings, cache=cache, **layer_kwargs,
+                                   **kwargs)
+    return model.norm(hidden_states)
 
 
 def attentions_imply_relations(func):
@@ -459,13 +482,10 @@ class DATModel(DATPreTrainedModel):
 
     def __init__(self, config: DATConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        init_positions(self, config)
-        self.dropout = nn.Dropout(config.embedding_dropout)
         # CODEPATH: relational heads, hence symbols: awni00/DAT-sa8-ra8-ns1024-sh8-nkvh4-343M; none: the Transformer
         # baseline awni00/T-sa24-757M.
         layers = [DATDecoderLayer(config, i, is_causal=self.is_causal) for i in range(config.num_hidden_layers)]
-        init_dat_stack(self, config, layers, uses_symbols=config.num_relational_heads > 0)
+        init_text_stack(self, config, config.vocab_size, layers, uses_symbols=config.num_relational_heads > 0)
         self.post_init()
 
     @stack_forward
@@ -495,15 +515,8 @@ class DATModel(DATPreTrainedModel):
         paged = paged_arguments(cache, kwargs)
         inputs_embeds, cache, position_ids, mask_positions = prepare_decoder_inputs(
             self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, paged)
-        hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
-                                                             self.config.position_embedding_type)
-        layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, cache, mask_positions, graph_adjacency,
-                                         self.is_causal, kwargs.get("output_attentions", False))
-        hidden_states = run_dat_layers(
-            self.layers, self.symbol_retrievers, hidden_states, position_ids, layer_biases, plan,
-            position_embeddings=position_embeddings, cache=cache, **kwargs,
-        )
-        hidden_states = self.norm(hidden_states)
+        hidden_states = run_text_stack(self, inputs_embeds, attention_mask, cache, position_ids, mask_positions,
+                                       self.symbol_retrievers, kwargs, graph_adjacency)
         if paged is not None:
             cache = cache.cache
         return DATModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
@@ -685,100 +698,6 @@ class DATForSequenceClassification(DATPreTrainedModel):
         )
 
 
-# ---- bidirectional stack (every relational bias; `graph` for node classification) ---------------------------------
-ENCODER_AUTO_CLASSES = {
-    "AutoConfig": "configuration_dat.DATEncoderConfig",
-    "AutoModel": "modeling_dat.DATEncoderModel",
-    "AutoModelForTokenClassification": "modeling_dat.DATForTokenClassification",
-}
-
-
-@auto_docstring(
-    custom_intro=r"""
-    The bidirectional DAT stack: no causal order is imposed, so `full`, `sliding_window_bidirectional`, `sparse` and
-    `graph` biases see both directions (`causal` and `sliding_window` stay ordered). input_ids `[b, n]` (or
-    inputs_embeds `[b, n, d]`) -> last_hidden_state `[b, n, d]`.
-    """
-)
-class DATEncoderModel(DATModel):
-
-    config: DATEncoderConfig
-    is_causal = False
-    auto_classes = ENCODER_AUTO_CLASSES
-
-
-@auto_docstring(custom_args=DAT_OUTPUT_ARGS)
-@dataclass
-class DATTokenClassifierOutput(TokenClassifierOutput):
-    relations: tuple[torch.FloatTensor, ...] | None = None
-
-
-@auto_docstring(
-    custom_intro=r"""
-    Classifies every token (node) from a bidirectional DAT stack: the GAT use case with `relational_bias='graph'`.
-
-    input_ids `[b, n]`, inputs_embeds `[b, n, d]` or node_features `[b, n, num_node_features]` (with
-    `config.num_node_features`), plus graph_adjacency `[b, n, n]` for `graph` layers -> logits `[b, n, num_labels]`
-    (cross-entropy loss with `labels` `[b, n]`, -100 = ignored).
-    """
-)
-class DATForTokenClassification(DATPreTrainedModel):
-
-    config: DATEncoderConfig
-    auto_classes = ENCODER_AUTO_CLASSES
-
-    def __init__(self, config: DATEncoderConfig):
-        super().__init__(config)
-        self.num_labels = config.num_labels
-        self.model = DATEncoderModel(config)
-        # CODEPATH: no released checkpoint; dat_hf's node classification (node features instead of tokens, e.g.
-        # scripts/node_classification_karate.py). Token inputs otherwise.
-        self.node_proj = nn.Linear(config.num_node_features, config.hidden_size) if config.num_node_features else None
-        self.dropout = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-    @can_return_tuple
-    @auto_docstring
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        node_features: torch.FloatTensor | None = None,
-        graph_adjacency: torch.BoolTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> DATTokenClassifierOutput:
-        r"""
-        node_features (`torch.FloatTensor` of shape `(batch_size, sequence_length, num_node_features)`, *optional*):
-            Node features, projected to `hidden_size` (instead of `input_ids` / `inputs_embeds`).
-        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            The class index of every token (node) in `[0, num_labels)`; -100 is ignored.
-        graph_adjacency (`torch.BoolTensor` of shape `(batch_size, sequence_length, sequence_length)`, *optional*):
-            Per-instance attention graph of the layers whose relational bias is `graph` (True: token i may attend to j).
-
-        Returns:
-            [`DATTokenClassifierOutput`] (a tuple with `return_dict=False`): `logits` `(batch_size, sequence_length,
-            num_labels)`, `loss` with `labels`, and on request the hidden states, the attention weights of every head
-            and the relations.
-        """
-        check_inputs("token_classification", self.config, input_ids, inputs_embeds, node_features, labels)
-        if node_features is not None:
-            inputs_embeds = self.node_proj(node_features)
-        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, graph_adjacency=graph_adjacency, **kwargs,
-        )
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
-        return DATTokenClassifierOutput(loss=loss, logits=logits, **recorded_outputs(outputs))
-
-
 __all__ = [
     "DATPreTrainedModel",
     "DATModel",
@@ -789,7 +708,4 @@ __all__ = [
     "DATRMSNorm",
     "DATModelOutputWithPast",
     "DATCausalLMOutputWithPast",
-    "DATEncoderModel",
-    "DATForTokenClassification",
-    "DATTokenClassifierOutput",
 ]

@@ -50,12 +50,11 @@ from .modeling_dat import (
     DATModel,
     DATPreTrainedModel,
     embed_positions,
-    init_dat_stack,
-    init_positions,
+    init_text_stack,
     make_norm,
-    plan_layers,
     prepare_decoder_inputs,
     run_dat_layers,
+    run_text_stack,
     self_attention_cache,
     stack_forward,
 )
@@ -404,15 +403,13 @@ class DATSeq2SeqEncoder(DATSeq2SeqPreTrainedModel):
     def __init__(self, config: DATSeq2SeqConfig):
         super().__init__(config)
         stack = encoder_stack_config(config)
-        self.embed_tokens = nn.Embedding(config.source_vocab_size, config.hidden_size, config.pad_token_id)
-        init_positions(self, stack)
-        self.dropout = nn.Dropout(config.embedding_dropout)
         # CODEPATH: relational heads: the paper's math DAT models (4 sensory + 4 relational encoder heads); none: their
         # Transformer baselines (8 self-attention heads). No final norm: the reference `Seq2SeqDualAttnTransformer`
         # (the paper's math models, converted with `final_norm=False`); a final norm: dat_hf's default for models
         # trained from scratch. No released weights.
-        init_dat_stack(self, stack, [DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)],
-                       uses_symbols=config.num_relational_heads > 0, final_norm=config.final_norm)
+        layers = [DATDecoderLayer(stack, i, is_causal=False) for i in range(config.encoder_layers)]
+        init_text_stack(self, stack, config.source_vocab_size, layers, uses_symbols=config.num_relational_heads > 0,
+                        final_norm=config.final_norm)
         self.post_init()
 
     @stack_forward
@@ -464,6 +461,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
     """The causal DAT decoder with cross-attention. decoder input_ids `[b, n]` -> last_hidden_state `[b, n, d]`."""
 
     is_stack = True
+    is_causal = True
 
     _can_record_outputs = {
         "hidden_states": OutputRecorder(DATSeq2SeqDecoderLayer, index=0),
@@ -474,15 +472,12 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
 
     def __init__(self, config: DATSeq2SeqConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        init_positions(self, config)
-        self.dropout = nn.Dropout(config.embedding_dropout)
         # CODEPATH: symbols in the decoder: the paper's math DAT with 4 + 4 decoder heads, and `dual` cross-attention
         # (dat_hf only); none: its variant with a standard decoder (8 sensory heads). No released weights. The final
         # norm as in the encoder: none in the reference's math models, one in dat_hf's default.
-        init_dat_stack(self, config, [DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)],
-                       uses_symbols=config.decoder_uses_symbols, symbol_config=decoder_symbol_config(config),
-                       final_norm=config.final_norm)
+        layers = [DATSeq2SeqDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        init_text_stack(self, config, config.vocab_size, layers, uses_symbols=config.decoder_uses_symbols,
+                        symbol_config=decoder_symbol_config(config), final_norm=config.final_norm)
         self.post_init()
 
     @stack_forward
@@ -513,24 +508,17 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, prefix="decoder_")
         check_inputs("encoder_states", encoder_hidden_states, encoder_attention_mask, inputs_embeds.shape[0],
                      self.config.hidden_size)
-        hidden_states, position_embeddings = embed_positions(self, inputs_embeds, position_ids,
-                                                             self.config.position_embedding_type)
-        output_attentions = kwargs.get("output_attentions", False)
-        layer_biases, plan = plan_layers(self, inputs_embeds, attention_mask, cache, mask_positions, causal=True,
-                                         output_attentions=output_attentions)
         cross_mask = build_cross_attention_mask(self.config, inputs_embeds, encoder_hidden_states, encoder_attention_mask)
         cross_plan = AttentionPlan.build({CROSS_ATTENTION_BIAS: cross_mask}, self.config, inputs_embeds,
-                                         output_attentions, gradients_flow(self, inputs_embeds), self.training)
+                                         kwargs.get("output_attentions", False), gradients_flow(self, inputs_embeds),
+                                         self.training)
         source = CrossAttentionSource(encoder_hidden_states, encoder_attention_mask, self.symbol_retrievers, cache,
                                       relational=self.config.cross_relational_heads > 0)
         # CODEPATH: target symbols for the decoder's own relational heads (the paper's math DAT with 4 + 4 decoder
         # heads); without them the retrievers serve only `dual` cross-attention (no released checkpoint).
         target_retrievers = self.symbol_retrievers if self.config.num_relational_heads > 0 else None
-        hidden_states = run_dat_layers(
-            self.layers, target_retrievers, hidden_states, position_ids, layer_biases, plan, source,
-            position_embeddings=position_embeddings, cross_plan=cross_plan, cache=cache, **kwargs,
-        )
-        hidden_states = self.norm(hidden_states)
+        hidden_states = run_text_stack(self, inputs_embeds, attention_mask, cache, position_ids, mask_positions,
+                                       target_retrievers, kwargs, source=source, cross_plan=cross_plan)
         return DATDecoderOutput(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
 
@@ -741,19 +729,9 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
             loss = nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), labels.to(logits.device).reshape(-1), ignore_index=-100
             )
-        return DATSeq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **cache_kwargs(output_cache(outputs)),
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-            encoder_relations=outputs.encoder_relations,
-            decoder_relations=outputs.decoder_relations,
-        )
+        recorded = {name: getattr(outputs, name) for name in DATSeq2SeqModelOutput.__dataclass_fields__
+                    if name not in ("last_hidden_state", "cache", "past_key_values")}
+        return DATSeq2SeqLMOutput(loss=loss, logits=logits, **cache_kwargs(output_cache(outputs)), **recorded)
 
 
 __all__ = [

@@ -8,37 +8,26 @@ With the identity relation activation the relations can be aggregated before the
 
     sum_j a_ij r_l(x_i, x_j) = relation_scaling <q_l(x_i), sum_j a_ij k_l(x_j)>
 
-so the relational heads are one attention call whose values are `[symbol values | relation keys]`
-(`d_h + R d_r` wide), through Transformers' attention functions: no `[q, kv]` tensor is kept and the cache stores
-per token the attention key, the symbol value and the relation key. The cost per pair is `h (d_h + R d_r)`
-multiply-adds for the values, against `R d_r + h R` when relations are formed once for all heads (the compiled
-kernels). Signature and outputs as `relational_attention.eager_relational_attention`, each with its mask format,
-under the one mask rule (`masking_dat.AttentionMask`: a given mask alone decides, `is_causal` applies to a None mask
-only, receiver i at kv - q + i).
-
-FlexAttention's GPU kernels (Triton templates) hold a `[BLOCK_M, V]` accumulator and stage `[BLOCK_N, V]` value tiles
-in shared memory, `V` rounded up to a power of two, with tiles chosen for the query width alone: the values of the
-343M config (64 + 8 x 64 = 576 wide, 1024 rounded) would need 832 KiB of shared memory with H100's tiles for
-`d_h = 64` (it has 227 KiB). Off CPU the values therefore go in chunks (`flex_value_chunks`), one call each.
+so the relational heads are one attention call over values `[symbol values | relation keys]` (`d_h + R d_r` wide):
+no `[q, kv]` tensor is kept. Signature as `eager_relational_attention`, under the mask rule.
 """
 
 import torch
 from torch import nn
+
 from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, relational_output
 from .sensory_attention import flex_attention_forward, sdpa_attention_forward
 
 
-# the widest value chunk of one FlexAttention call off CPU (or the query width rounded up to a power of two, if wider);
-# with queries 64 wide, inductor's forward tiles then take 160 KiB of shared memory on H100, 88 KiB on A100
+# the widest value chunk of one FlexAttention call off CPU (or the query width's next power of two, if wider)
 FLEX_VALUE_CHUNK = 128
-# devices whose FlexAttention kernel takes any value width in one call (the CPU kernel loops over it)
+# devices whose FlexAttention kernel takes any value width in one call
 WHOLE_VALUE_DEVICES = frozenset({"cpu"})
 
 
 def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> list[int]:
-    """The widths of the value chunks FlexAttention gets, one call each: the whole width on CPU; elsewhere chunks no
-    wider than `max(FLEX_VALUE_CHUNK, query width rounded up to a power of two)`. Each call recomputes the scores
-    (`d_h` multiply-adds and one exponential per pair and chunk)."""
+    """Value chunk widths, one FlexAttention call each: the whole width on CPU, else chunks of at most
+    `max(FLEX_VALUE_CHUNK, next power of two of the query width)`."""
     if device_type in WHOLE_VALUE_DEVICES:
         return [value_width]
     widest = max(FLEX_VALUE_CHUNK, 1 << (query_width - 1).bit_length())
@@ -46,7 +35,7 @@ def flex_value_chunks(value_width: int, query_width: int, device_type: str) -> l
 
 
 def fused_values_limits(call: RelationalCall) -> str | None:
-    """What the fused-values backends (sdpa, flex) need: identity relations and symbols per sender."""
+    """Why the fused-values backends cannot run `call`, or None."""
     if call.output_attentions:
         return "it does not return attention weights (use 'eager')"
     if call.relation_activation != "identity":
@@ -78,8 +67,7 @@ def _fused_values_attention(interface: str, query, key, symbol_values, relation_
     relation_keys = relation_keys.reshape(b, 1, kv_len, num_relations * relation_dim).expand(b, h_kv, -1, -1)
     value = torch.cat([symbol_values.expand(b, -1, -1, -1), relation_keys], dim=-1)  # [b, h_kv, kv, d_h + R d_r]
     if interface == "sdpa":  # mask: a `KernelMask`
-        # fused SDPA kernels need equal query and value widths (else a math fallback keeps the [q, kv] weights):
-        # zero-padding queries and keys leaves every score unchanged
+        # fused SDPA kernels need equal query and value widths: zero-pad queries and keys (scores unchanged)
         pad = value.shape[-1] - d
         query, key = nn.functional.pad(query, (0, pad)), nn.functional.pad(key, (0, pad))
         attend, attention_mask, is_causal = sdpa_attention_forward, mask.mask, mask.is_causal
@@ -100,8 +88,7 @@ def _fused_values_attention(interface: str, query, key, symbol_values, relation_
 
 def sdpa_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj, attention_mask,
                               spec, dropout=0.0, **kwargs):
-    """Fused values through `torch.nn.functional.scaled_dot_product_attention` (a `KernelMask`: bool mask or causal
-    flag)."""
+    """Fused values through SDPA (mask: a `KernelMask`)."""
     messages = _fused_values_attention("sdpa", query, key, symbol_values, relation_queries, relation_keys,
                                        relation_proj, attention_mask, spec, dropout)
     return messages, None, None
@@ -109,8 +96,7 @@ def sdpa_relational_attention(query, key, symbol_values, relation_queries, relat
 
 def flex_relational_attention(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
                               attention_mask, spec, dropout=0.0, **kwargs):
-    """Fused values through FlexAttention with the relational bias as a `BlockMask`: masked blocks are skipped, so a
-    sliding window or a sparse graph costs its edges, not `q x kv` (values keep their own width: no padding)."""
+    """Fused values through FlexAttention (mask: a `BlockMask`, whose masked blocks are skipped)."""
     messages = _fused_values_attention("flex_attention", query, key, symbol_values, relation_queries, relation_keys,
                                        relation_proj, attention_mask, spec, dropout)
     return messages, None, None

@@ -2,16 +2,9 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""The registry of relational inductive biases: every attention graph a DAT head may attend over.
-
-A relational bias is a graph on the tokens (receiver i may attend to sender j), classified in "On the relational
-inductive biases of attention" (Table 1) by its relations and the symmetry group the attention is equivariant to.
-Each entry says all that the rest of dat_hf needs to know about one bias: whether its graph is ordered (then its mask
-is causal in any model), the config fields and forward inputs it is built from, which models may use it, and how its
-mask is made. The configs validate their bias fields here (`check_bias_field`), and `masking_dat.py` builds every mask
-from the entry (`build_attention_mask`, `prebuilt_masks`, `paged_masks`).
-
-Adding a bias is one entry and its test:
+"""The registry of relational inductive biases: the attention graphs (receiver i may attend to sender j) of "On the
+relational inductive biases of attention" (Table 1). Configs validate against it; `masking_dat.py` builds the masks.
+Adding a bias is one entry:
 
     register_relational_bias(RelationalBias(
         "every_other", relations="tokens of the same parity", symmetry="translations by even offsets",
@@ -23,7 +16,7 @@ from typing import Callable
 
 import torch
 
-# the graph of encoder-decoder cross-attention (not a value of the self-attention fields)
+# the encoder-decoder cross-attention graph
 CROSS_ATTENTION_BIAS = "bipartite"
 
 
@@ -32,25 +25,17 @@ class RelationalBias:
     """One attention graph.
 
     name: the value of `relational_bias`, `relational_heads_bias` or `encoder_relational_bias` that selects it.
-    relations: which senders a receiver relates to (Table 1's "Relations").
-    symmetry: the token relabellings the attention is equivariant to under this graph (Table 1's "Symmetry Group").
-    ordered: the graph respects the causal order on its own (receiver i sees senders j <= i only): its mask is
-        causal in any model, an encoder too. (A causal model intersects every bias with the causal order:
-        `is_ordered`.)
-    decoder: a causal model (the language model, the seq2seq decoder) may use it.
-    cross: the graph between two sequences (cross-attention), which the self-attention fields refuse.
-    config_fields: the config fields that define the graph; at least one of them must be set.
-    inputs: the forward's tensors the graph comes from (e.g. `graph_adjacency` `[b, n, n]`): a model whose forward
-        takes none (`bias_inputs` of its config) refuses it, and so does a KV cache.
-    window: a sliding window of `sliding_window_size` = p tokens (two-sided unless ordered), built by Transformers'
-        window masks (index arithmetic, ring caches, blocks of receivers) instead of `mask_function`.
-    layer_type: the cache layer type, as Transformers names it, that holds what a receiver sees under this bias
-        (`sliding_attention`: the last tokens of the window; `full_attention`: all of them), and whose mask
-        continuous batching builds; None: a full cache layer, and continuous batching cannot serve the bias.
-    mask_function: None (every pair, before the order and the padding), or `(config, device, attention_mask=None,
-        graph_adjacency=None) -> mask_mod`, where `mask_mod(batch_idx, head_idx, q_idx, kv_idx) -> bool` is a
-        Transformers mask function (index tensors in, True = attend) that `masking_dat.py` intersects with the
-        padding and, where ordered, the causal order; `attention_mask` is the 2-D padding mask `[b, kv]` or None.
+    relations, symmetry: Table 1's "Relations" and "Symmetry Group".
+    ordered: the graph is causal on its own (its mask is causal in any model, encoders too).
+    decoder: a causal model may use it. cross: a cross-attention graph (refused by the self-attention fields).
+    config_fields: the config fields that define the graph (at least one must be set).
+    inputs: forward tensors the graph comes from (e.g. `graph_adjacency` `[b, n, n]`; refused with a KV cache).
+    window: a sliding window of `sliding_window_size` tokens (two-sided unless ordered), not `mask_function`.
+    layer_type: Transformers' cache layer type for it (`sliding_attention`, `full_attention`); None: a full layer,
+        not servable by continuous batching.
+    mask_function: None (every pair) or `(config, device, attention_mask=None, graph_adjacency=None) -> mask_mod`,
+        a Transformers mask function `(batch_idx, head_idx, q_idx, kv_idx) -> bool` (True = attend), intersected
+        with the padding and, where ordered, the causal order.
     """
 
     name: str
@@ -70,7 +55,7 @@ RELATIONAL_BIASES: dict[str, RelationalBias] = {}
 
 
 def register_relational_bias(bias: RelationalBias) -> RelationalBias:
-    """Add `bias` to the registry (configs accept its name from now on); a name is registered once."""
+    """Add `bias` to the registry (ValueError if its name is taken)."""
     if bias.name in RELATIONAL_BIASES:
         raise ValueError(f"A relational bias named {bias.name!r} is already registered.")
     RELATIONAL_BIASES[bias.name] = bias
@@ -78,50 +63,48 @@ def register_relational_bias(bias: RelationalBias) -> RelationalBias:
 
 
 def unregister_relational_bias(name: str) -> RelationalBias:
-    """Remove the bias `name` from the registry -> its entry."""
+    """Remove bias `name` -> its entry."""
     return RELATIONAL_BIASES.pop(name)
 
 
 def relational_bias(name: str) -> RelationalBias:
-    """The registry entry of `name` (ValueError naming the registered biases if there is none)."""
+    """The registry entry of `name` (ValueError if none)."""
     if not isinstance(name, str) or name not in RELATIONAL_BIASES:
         raise ValueError(f"Unknown relational bias {name!r}; registered: {list(RELATIONAL_BIASES)}.")
     return RELATIONAL_BIASES[name]
 
 
 def is_ordered(name: str, causal: bool) -> bool:
-    """The one rule for whether the mask of bias `name` is causal: ordered graphs in any model, every graph in a
-    causal model (`causal`: the stack is a decoder)."""
+    """Whether bias `name`'s mask is causal: ordered graphs always, every graph in a decoder (`causal`)."""
     return causal or relational_bias(name).ordered
 
 
 def self_attention_biases(decoder: bool = False, inputs=None) -> list[str]:
-    """The names a self-attention field accepts: every registered self-attention bias, or (`decoder`) those a causal
-    model may use; with `inputs` (the forward tensors a model takes) only those built from them."""
+    """The names a self-attention field accepts (`decoder`: causal-model ones; `inputs`: only those built from them)."""
     return [name for name, bias in RELATIONAL_BIASES.items() if not bias.cross and (bias.decoder or not decoder)
             and (inputs is None or set(bias.inputs) <= set(inputs))]
 
 
 def inputs_of(names) -> set[str]:
-    """The forward tensors (e.g. `graph_adjacency`) that the biases `names` are built from."""
+    """The forward tensors (e.g. `graph_adjacency`) the biases `names` are built from."""
     return {field for name in names for field in relational_bias(name).inputs}
 
 
 def layer_type(name: str) -> str | None:
-    """The cache layer type of bias `name` (`RelationalBias.layer_type`; None for an unregistered name)."""
+    """The cache layer type of bias `name` (None if unregistered)."""
     bias = RELATIONAL_BIASES.get(name)
     return None if bias is None else bias.layer_type
 
 
 def paged_biases() -> list[str]:
-    """The biases continuous batching serves (those whose mask Transformers' manager builds for a cache layer type)."""
+    """The biases continuous batching serves (those with a `layer_type`)."""
     return [name for name, bias in RELATIONAL_BIASES.items() if bias.layer_type is not None]
 
 
 def check_bias_field(config, field: str, value, num_layers: int, layers_field: str, decoder: bool,
                      inputs=()) -> None:
-    """Validate one bias field of `config` (a name, or a list of one per layer) against the registry; a ValueError
-    names the field. `decoder`: the stack is causal; `inputs`: the forward tensors its model takes."""
+    """Validate a bias field (a name, or one per layer); ValueError naming the field. `decoder`: a causal stack;
+    `inputs`: the forward tensors its model takes."""
     if isinstance(value, list) and len(value) != num_layers:
         raise ValueError(f"`{field}` has {len(value)} entries but `{layers_field}` is {num_layers}.")
     known = self_attention_biases()
@@ -143,21 +126,19 @@ def check_bias_field(config, field: str, value, num_layers: int, layers_field: s
 
 # ---- the mask functions of the built-in biases --------------------------------------------------------------------
 def token_positions(attention_mask):
-    """Each token's index among the real tokens of its row (`[b, kv]`), so that padding does not move a fixed graph;
-    None without a 2-D padding mask (cache indices are then the positions)."""
+    """Each token's index among its row's real tokens `[b, kv]`; None without a 2-D padding mask."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         return None
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def sparse_mask_function(config, device, attention_mask=None, graph_adjacency=None):
-    """The fixed `sparse` graph over token positions (real tokens only: padding never shifts it): local blocks of
-    `sparse_block_size`, the first `sparse_global_tokens` tokens seen by and seeing all, extra `sparse_edges`."""
+    """The `sparse` graph over real-token positions: blocks of `sparse_block_size`, the first `sparse_global_tokens`
+    tokens global, plus `sparse_edges`."""
     block, n_global = config.sparse_block_size, config.sparse_global_tokens
     positions = token_positions(attention_mask)
     edges = None
-    # CODEPATH: no released checkpoint; dat_hf's `sparse` relational bias given as an explicit edge list (else local
-    # blocks and global tokens only).
+    # CODEPATH: edge list: no released checkpoint (dat_hf's `sparse` bias only).
     if config.sparse_edges:
         size = max(max(e) for e in config.sparse_edges) + 1
         edges = torch.zeros(size, size, dtype=torch.bool, device=device)
@@ -165,12 +146,13 @@ def sparse_mask_function(config, device, attention_mask=None, graph_adjacency=No
         edges[index[:, 0], index[:, 1]] = True
 
     def sparse_fn(batch_idx, head_idx, q_idx, kv_idx):
-        if positions is not None:  # (a static cache's slots beyond the padding mask hold no tokens yet)
+        if positions is not None:  # clamped: a static cache's slots past the padding mask are empty
             last = positions.shape[1] - 1
             q_idx, kv_idx = positions[batch_idx, q_idx.clamp(max=last)], positions[batch_idx, kv_idx.clamp(max=last)]
         allowed = q_idx == kv_idx
         if block is not None:
-            same_block = torch.div(q_idx, block, rounding_mode="floor") == torch.div(kv_idx, block, rounding_mode="floor")
+            same_block = (torch.div(q_idx, block, rounding_mode="floor")
+                          == torch.div(kv_idx, block, rounding_mode="floor"))
             allowed = allowed | same_block
         if n_global > 0:
             allowed = allowed | (q_idx < n_global) | (kv_idx < n_global)
@@ -184,7 +166,7 @@ def sparse_mask_function(config, device, attention_mask=None, graph_adjacency=No
 
 
 def graph_mask_function(config, device, attention_mask=None, graph_adjacency=None):
-    """The graph of each input: `graph_adjacency` bool `[b, n, n]` (True = receiver i attends to sender j)."""
+    """Each input's graph: `graph_adjacency` bool `[b, n, n]` (True = i attends to j)."""
 
     def graph_fn(batch_idx, head_idx, q_idx, kv_idx):
         return graph_adjacency[batch_idx, q_idx, kv_idx]
@@ -192,7 +174,7 @@ def graph_mask_function(config, device, attention_mask=None, graph_adjacency=Non
     return graph_fn
 
 
-# ---- the registry (the paper's Table 1, as dat_hf names the graphs) ----------------------------------------------
+# ---- the built-in biases (the paper's Table 1) --------------------------------------------------------------------
 register_relational_bias(RelationalBias(
     "full", relations="fully connected", symmetry="permutations", ordered=False, decoder=False))
 register_relational_bias(RelationalBias(

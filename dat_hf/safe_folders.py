@@ -17,14 +17,16 @@ without dat_hf saves and loads as any Transformers model does.
 """
 
 import contextvars
+import copy
 import os
+import weakref
 
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
 from .atomic_save import finish_interrupted_save, load_consistently, save_atomically
 from .checkpoint_bounds import check_against_checkpoint, local_checkpoint_index
-from .configuration_dat import config_source
+from .configuration_dat import DualAttentionConfig
 
 logger = logging.get_logger(__name__)
 
@@ -136,9 +138,31 @@ def build(cls, args):
         check_against_checkpoint(args[0], cls, shapes, source, check_shapes=check_shapes)
 
 
+# config object id -> (the dict it was built from, the keyword arguments of `from_dict`): lets `load` see that a
+# config read by AutoConfig is older than the folder's config.json (a save committed in between)
+_SOURCES: dict[int, tuple[dict, dict]] = {}
+
+
+def config_source(config):
+    """(config dict, `from_dict` kwargs) a DAT config was built from by `from_dict` (AutoConfig, from_pretrained), or
+    None."""
+    return _SOURCES.get(id(config))
+
+
+def _from_dict_remembering_sources(cls, config_dict, **kwargs):
+    source = (copy.deepcopy(config_dict), dict(kwargs))
+    result = PreTrainedConfig.from_dict.__func__(cls, config_dict, **kwargs)
+    config = result[0] if isinstance(result, tuple) else result
+    _SOURCES[id(config)] = source
+    weakref.finalize(config, _SOURCES.pop, id(config), None)
+    return result
+
+
 def install(hooks):
-    """Put crash-safe saving and the checks of local folders into `hooks` (`modeling_dat.SAVE_LOAD_HOOKS`)."""
+    """Put crash-safe saving and the checks of local folders into `hooks` (`modeling_dat.SAVE_LOAD_HOOKS`), and have
+    every DAT config remember what `from_dict` built it from (`config_source`)."""
     hooks.update(save=save, load=load, build=build)
+    DualAttentionConfig.from_dict = classmethod(_from_dict_remembering_sources)
 
 
 __all__ = ["build", "fsdp2_original_class", "install", "load", "save", "save_fully_sharded"]

@@ -2,12 +2,7 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Sensory (self-)attention functions: the eager reference with explicit weights, and DAT's FlexAttention call (one
-compiled `flex_attention` per device, static shapes on CPU, DAT's masks and input copies), which the relational
-fused-values backend also calls. The sensory heads reach them through `DAT_ATTENTION_FUNCTIONS` (Transformers'
-attention interface with DAT's FlexAttention and SDPA calls in place of Transformers' own). Each takes the mask and
-`is_causal` under the one mask rule (`masking_dat.AttentionMask`): a given mask alone decides; `is_causal` applies to a
-None mask only, receiver i at kv - q + i seeing senders j <= kv - q + i.
+"""Sensory attention functions (eager, FlexAttention, SDPA) under the mask rule (`masking_dat.AttentionMask`).
 
     out = softmax(scaling q k^T + mask) v                                   query [b, h, q, d] -> out [b, q, h, d_v]
 """
@@ -22,7 +17,7 @@ from .masking_dat import causal_order
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA: each key/value head serves `n_rep` query heads)."""
+    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA)."""
     if n_rep == 1:
         return hidden_states
     b, h, n, d = hidden_states.shape
@@ -30,9 +25,8 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def implicit_causal(query, key, attention_mask, is_causal):
-    """The mask rule for the functions that take a mask and a causal flag apart: a given mask alone decides (returned
-    as is); a None mask with `is_causal` is causal order with receiver i at kv - q + i, explicit (bool `[1, 1, q, kv]`,
-    or None when every receiver sees every sender)."""
+    """The mask rule made explicit: a given mask as is; a None mask with `is_causal` -> bool `[1, 1, q, kv]` causal
+    order (receiver i at kv - q + i), or None when every receiver sees every sender."""
     if attention_mask is not None or not is_causal:
         return attention_mask
     return causal_order(query.shape[2], key.shape[2], query.device)
@@ -40,9 +34,8 @@ def implicit_causal(query, key, attention_mask, is_causal):
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=False,
                             **kwargs):
-    """Softmax attention with explicit weights (the sensory heads' reference). query `[b, h, q, d]`, key `[b, h_kv,
-    kv, d]`, value `[b, h_kv, kv, d_v]`, mask None, bool (True = attend) or additive float `[b|1, 1, q, kv]` (the whole
-    graph; `is_causal` only for a None mask: `implicit_causal`) -> output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
+    """Reference attention: query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`, mask None, bool
+    or additive `[b|1, 1, q, kv]` -> output `[b, q, h, d_v]`, weights `[b, h, q, kv]`."""
     attention_mask = implicit_causal(query, key, attention_mask, is_causal)
     weights = eager_attention_weights(module, query, key, attention_mask, scaling, dropout)
     value = repeat_kv(value, module.num_key_value_groups)
@@ -50,8 +43,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 def eager_attention_weights(module, query, key, attention_mask, scaling, dropout=0.0):
-    """`softmax(scaling q k^T + mask)` (dropout in training): query `[b, h, q, d]`, key `[b, h_kv, kv, d]` -> `[b, h,
-    q, kv]`."""
+    """`softmax(scaling q k^T + mask)`, dropout in training: `[b, h, q, d]`, `[b, h_kv, kv, d]` -> `[b, h, q, kv]`."""
     key = repeat_kv(key, module.num_key_value_groups)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
@@ -64,23 +56,18 @@ def eager_attention_weights(module, query, key, attention_mask, scaling, dropout
 
 
 def flex_inputs(*tensors):
-    """The tensors as FlexAttention gets them: copies inside a compiled CPU graph, where inductor's C++ FlexAttention
-    template reads a view that starts past its buffer's beginning (a head slice of the cache) from the buffer's start,
-    i.e. other heads (PyTorch 2.13; Dynamo cannot tell views by their offset)."""
+    """Contiguous copies inside a compiled CPU graph (inductor's C++ template misreads offset views, PyTorch 2.13)."""
     if not torch.compiler.is_compiling():
         return tensors
     return tuple(t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else t for t in tensors)
 
 
-# inductor's C++ FlexAttention template (PyTorch 2.13 and 2.14.1, AVX2) computes wrong or non-finite outputs for
-# query/key head dimensions under 32 when the length is not a multiple of 16 (e.g. d_h = 16 at 24 or 40 tokens, with
-# or without a mask; what the call returns then depends on what ran before). Zero columns leave every score as it is.
+# inductor's C++ FlexAttention template is wrong for q/k widths under 32 (PyTorch 2.13-2.14.1); zero columns fix it
 CPU_FLEX_MIN_QK_DIM = 32
 
 
 def cpu_flex_query_key(query, key):
-    """query `[b, h, q, d]` and key `[b, h_kv, kv, d]` with zero columns up to `CPU_FLEX_MIN_QK_DIM` when `d` is
-    narrower on CPU (the scores, and so the output, are unchanged: the caller passes the scale of `d`)."""
+    """On CPU, query and key zero-padded to `CPU_FLEX_MIN_QK_DIM` columns (scores unchanged)."""
     pad = CPU_FLEX_MIN_QK_DIM - query.shape[-1]
     if query.device.type != "cpu" or pad <= 0:
         return query, key
@@ -91,10 +78,7 @@ _compiled_flex = {}
 
 
 def _compiled_flex_attention(device_type: str):
-    """FlexAttention compiled once per process and device type; with static shapes on CPU, where PyTorch 2.13's
-    inductor miscompiles the C++ template for dynamic ones (a second shape made Dynamo compile a dynamic kernel that
-    failed to build, `'cur_kvSplitSize1' was not declared`, so a call's fate depended on what had run before).
-    Inside a compiled graph the plain function is traced into it."""
+    """FlexAttention compiled once per device type (static shapes on CPU); the plain function inside a compile."""
     if torch.compiler.is_compiling():
         return flex_attention
     if device_type not in _compiled_flex:
@@ -104,15 +88,14 @@ def _compiled_flex_attention(device_type: str):
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, is_causal=False,
                            **kwargs):
-    """FlexAttention for both head types. query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`,
-    attention_mask a `BlockMask`, an additive float tensor `[b|1, 1, q, kv]` (either the whole graph) or None (causal
-    order with `is_causal`: `implicit_causal`) -> output `[b, q, h, d_v]`, None (no weights). Receivers without any
-    sender get zeros (FlexAttention's convention; the callers zero them)."""
+    """FlexAttention: query `[b, h, q, d]`, key `[b, h_kv, kv, d]`, value `[b, h_kv, kv, d_v]`, mask a `BlockMask`,
+    additive float `[b|1, 1, q, kv]` or None -> output `[b, q, h, d_v]`, None. Raises ValueError for dropout or a
+    bool mask."""
     if dropout > 0:
         raise ValueError("FlexAttention has no attention dropout: use the model in eval mode, set "
                          "`attention_dropout=0`, or choose another `attn_implementation`.")
     causal = implicit_causal(query, key, attention_mask, is_causal)
-    if attention_mask is None and causal is not None:  # (as an additive bias)
+    if attention_mask is None and causal is not None:  # as an additive bias
         attention_mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~causal, float("-inf"))
     block_mask, score_mod = None, None
@@ -128,7 +111,7 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
         def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
             return score + additive[batch_idx if additive.shape[0] > 1 else 0, 0, q_idx, kv_idx]
 
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # of the head dimension, before any padding
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling  # before any padding
     query, key, value = flex_inputs(*cpu_flex_query_key(query, key), value)
     out = _compiled_flex_attention(query.device.type)(query, key, value, score_mod=score_mod, block_mask=block_mask,
                                                        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
@@ -137,9 +120,7 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
 
 def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=False,
                            **kwargs):
-    """Transformers' SDPA call under the mask rule: a given mask alone decides; a None mask with `is_causal` puts
-    receiver i at kv - q + i (where 1 < q < kv, Transformers' call would keep the first q keys instead: the
-    upper-left order of an empty static cache, which the attention plan trims before it calls)."""
+    """Transformers' SDPA call under the mask rule (made explicit for 1 < q != kv, where SDPA is upper-left)."""
     if 1 < query.shape[2] != key.shape[2]:
         attention_mask = implicit_causal(query, key, attention_mask, is_causal)
     is_causal = bool(is_causal) and attention_mask is None
@@ -147,9 +128,7 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=No
                                                scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-# Transformers' attention functions, with DAT's FlexAttention call (one compiled `flex_attention` per device, static
-# shapes on CPU, DAT's masks and input copies) and SDPA call (the mask rule) in place of theirs: local overrides, as
-# `AttentionInterface` documents
+# Transformers' attention functions with DAT's FlexAttention and SDPA calls in place of theirs
 DAT_ATTENTION_FUNCTIONS = AttentionInterface()
 DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
 DAT_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward

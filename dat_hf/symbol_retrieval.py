@@ -2,17 +2,8 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Symbol retrievers: where each sender's symbol `s_j` in relational attention comes from.
-
-- `SymbolicAttention`: symbols retrieved from a learned library by attention on the features (`s_j` depends only on
-  x_j, so permutation symmetry is kept).
-- `PositionalSymbols`: `s_j` is a learned embedding of position j (breaks permutation symmetry).
-- `PositionRelativeSymbols`: `s_{ij}` embeds the clipped offset j - i (keeps translation symmetry). It returns the
-  `[2K + 1, d]` table; relational attention gathers it per offset, never per (i, j) pair.
-
-A new retriever is one small class with `forward(hidden_states, symbol_library=None, **kwargs)`: like Transformers'
-attention modules, retrievers get the positions as a keyword argument (`position_ids` `[b|1, n]`), which those that
-use positions declare and the others ignore.
+"""Symbol retrievers: where each sender's symbol `s_j` comes from. Each has `forward(hidden_states,
+symbol_library=None, **kwargs)` (`position_ids` `[b|1, n]` comes as a keyword argument).
 """
 
 import torch
@@ -21,10 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 class SymbolicAttention(nn.Module):
-    """Retrieve symbols from a library by multi-head attention: `s = Attn(q = x W_q, k = templates, v = library)`.
-
-    hidden_states `[b, n, d]` -> symbols `[b, n, d]`.
-    """
+    """`s = Attn(q = x W_q, k = templates, v = library)`: hidden_states `[b, n, d]` -> symbols `[b, n, d]`."""
 
     def __init__(self, config, own_library: bool = True):
         super().__init__()
@@ -34,27 +22,24 @@ class SymbolicAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.template_features = nn.Parameter(torch.empty(config.num_symbols, config.hidden_size))
         if own_library:
-            self.symbol_library = nn.Parameter(
-                torch.empty(config.num_symbols, config.hidden_size), requires_grad=config.trainable_symbols
-            )
+            self.symbol_library = nn.Parameter(torch.empty(config.num_symbols, config.hidden_size),
+                                               requires_grad=config.trainable_symbols)
 
     def forward(self, hidden_states, symbol_library=None, **kwargs):
         library = self.symbol_library if symbol_library is None else symbol_library
         if self.training and torch.is_grad_enabled():
-            # cheap to recompute (attention over a small library), so backward recomputes it rather than keeping the
-            # query projection and attention output of every layer alive
+            # cheap to recompute: don't keep every layer's activations
             return checkpoint(self._retrieve, hidden_states, library, use_reentrant=False)
         return self._retrieve(hidden_states, library)
 
     def _retrieve(self, hidden_states, library):
         b, n, d = hidden_states.shape
         query = self.q_proj(hidden_states).view(b, n, self.num_heads, -1).transpose(1, 2)  # [b, h, n, d/h]
-        key = self.template_features.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]  # [1, h, S, d/h]
+        key = self.template_features.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]  # [1,h,S,d/h]
         value = library.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]
         key, value = key.to(query.dtype).expand(b, -1, -1, -1), value.to(query.dtype).expand(b, -1, -1, -1)
-        symbols = nn.functional.scaled_dot_product_attention(
-            query, key, value, scale=self.scale, dropout_p=self.dropout if self.training else 0.0
-        )
+        symbols = nn.functional.scaled_dot_product_attention(query, key, value, scale=self.scale,
+                                                             dropout_p=self.dropout if self.training else 0.0)
         return symbols.transpose(1, 2).reshape(b, n, d)
 
 
@@ -73,7 +58,7 @@ class PositionalSymbols(nn.Module):
 
 
 class PositionRelativeSymbols(nn.Module):
-    """`s_{ij}` = table[clip(j - i, -K, K) + K]. Returns the table `[2K + 1, d]` (gathered per offset downstream)."""
+    """`s_{ij}` = table[clip(j - i, -K, K) + K]; returns the table `[2K + 1, d]`."""
 
     def __init__(self, config, own_library: bool = True):
         super().__init__()
@@ -95,8 +80,7 @@ SYMBOL_RETRIEVERS = {
 
 
 class SymbolRetrievers(nn.Module):
-    """The symbol retriever(s) of a DAT stack: one shared by all layers, or one per layer (optionally sharing a
-    symbol library). `symbols(layer_idx, hidden_states, position_ids)` gives layer `layer_idx`'s symbols."""
+    """One retriever shared by all layers, or one per layer (optionally with a tied library)."""
 
     def __init__(self, config):
         super().__init__()
@@ -105,7 +89,7 @@ class SymbolRetrievers(nn.Module):
         self.tied_library = config.tie_symbol_library and not self.shared
         n = 1 if self.shared else config.num_hidden_layers
         self.retrievers = nn.ModuleList([cls(config, own_library=(i == 0 or not self.tied_library)) for i in range(n)])
-        # symbols of a shared retriever that does not look at the features are computed once per forward
+        # a shared feature-independent retriever runs once per forward
         self.feature_independent = config.symbol_retrieval != "symbolic_attention"
 
     def forward(self, layer_idx, hidden_states, position_ids):

@@ -13,10 +13,6 @@ The plan (`configuration_dat.dual_attention_tp_plan`), per layer, over `tp` rank
                        r(x_i, x_j), so each rank computes all R relations for its own heads
     MLP                gate, up colwise                                down rowwise
     symbols            replicated (every rank needs every sender's symbol)
-
-Transformers' `colwise` / `rowwise` styles run the projections; this file adds the two styles DAT needs beyond them
-and `local_tensor`, the rank's own part of a sharded parameter that a model file reads itself (W_r). Each attention
-module then learns the heads it holds from its sharded weights (`SensoryAttention.use_local_heads`).
 """
 
 import re
@@ -24,14 +20,13 @@ import re
 import torch
 from torch import nn
 
-try:  # (Transformers releases before `transformers.distributed`, or a torch built without distributed: no TP)
+try:  # no TP without `transformers.distributed` or a distributed torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ColwiseParallel, TensorParallelLayer
 except ImportError:
     DTensor = ALL_PARALLEL_STYLES = None
 
-# the styles DAT's plan names beside Transformers' own
 GATHER_STYLE = "dat_gather"
 HEADS_STYLE = "dat_heads"
 
@@ -42,16 +37,15 @@ def plan_rule(name: str) -> str:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of `tensor` this rank holds (a sharded parameter under tensor parallelism), else `tensor` itself."""
+    """This rank's part of a sharded `tensor`, else `tensor` itself."""
     if DTensor is not None and isinstance(tensor, DTensor):
         return tensor.to_local()
     return tensor
 
 
 def gather_last_dim(local: torch.Tensor, mesh, width: int) -> torch.Tensor:
-    """This rank's slice `[..., w]` of a last dimension of `width` -> the whole `[..., width]` on every rank
-    (all-gather; the last rank's slice is shorter for uneven widths). In backward each rank's gradient of the whole is
-    its own heads' share, a partial sum: the slices' gradients are summed (reduce-scatter)."""
+    """This rank's slice `[..., w]` -> the whole `[..., width]` (all-gather); backward reduce-scatters, each rank's
+    gradient being a partial sum."""
     shape = (*local.shape[:-1], width)
     whole = DTensor.from_local(local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=shape,
                                stride=torch.empty(shape, device="meta").stride())
@@ -59,8 +53,7 @@ def gather_last_dim(local: torch.Tensor, mesh, width: int) -> torch.Tensor:
 
 
 def column_sharded(linear) -> bool:
-    """A plain `nn.Linear` (the forward tensor parallelism installs, no hooks) of which this rank holds a slice of the
-    output features (`colwise`, `dat_gather`)."""
+    """A plain `nn.Linear` (no hooks) whose output features are sharded (`colwise`, `dat_gather`)."""
     weight = linear.weight
     return (type(linear) is nn.Linear and DTensor is not None and isinstance(weight, DTensor)
             and weight.placements == (Shard(0),) and not (linear._forward_hooks or linear._forward_pre_hooks))
@@ -69,8 +62,7 @@ def column_sharded(linear) -> bool:
 if DTensor is not None:
 
     class SumGradients(torch.autograd.Function):
-        """Identity forward; backward: the ranks' gradients summed (all-reduce). The input of column-sharded
-        projections: each rank's gradient is its output slice's share."""
+        """Identity forward; backward all-reduces the gradient (input of column-sharded projections)."""
 
         @staticmethod
         def forward(ctx, x, group):
@@ -85,11 +77,8 @@ if DTensor is not None:
 
 
 def sharded_projections(linears, x: torch.Tensor, local_widths: tuple, widths: tuple) -> list:
-    """Column-sharded projections of one input as one local matrix product (`fused_linear` under tensor
-    parallelism): x `[..., d]` (the same on every rank) -> its output split in chunks of `local_widths` (this rank's
-    output features of consecutive projections), each chunk whose `widths` entry is larger gathered whole
-    (`gather_last_dim`: the relation queries and keys). One all-reduce of x's gradient in backward for all of them,
-    where Transformers' `colwise` style runs one per projection."""
+    """Column-sharded projections as one local matmul: x `[..., d]` -> chunks of `local_widths`, those narrower than
+    their `widths` entry gathered whole; one all-reduce of x's gradient for all of them."""
     mesh = linears[0].weight.device_mesh
     if torch.is_grad_enabled() and x.requires_grad:
         x = SumGradients.apply(x, mesh.get_group())
@@ -109,10 +98,8 @@ def sharded_projections(linears, x: torch.Tensor, local_widths: tuple, widths: t
 if ALL_PARALLEL_STYLES is not None:
 
     class GatheredColwiseParallel(ColwiseParallel):
-        """Column-wise, output gathered on every rank, and in backward each rank's gradient of that output taken as
-        a partial sum (reduce-scatter). Transformers' `colwise_gather_output` takes it as replicated, which holds for
-        an LM head (every rank computes the same loss from the same logits) but not for the relation queries and
-        keys: every rank's heads read all of them, each rank's gradient is its heads' share."""
+        """Column-wise with the output gathered; unlike `colwise_gather_output`, backward treats each rank's
+        gradient as a partial sum (reduce-scatter): each rank's heads read every relation."""
 
         def __init__(self):
             super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
@@ -125,8 +112,7 @@ if ALL_PARALLEL_STYLES is not None:
             return output.to_local(grad_placements=[Partial()])
 
     class HeadShardedParameter(TensorParallelLayer):
-        """A parameter `[heads, ...]` sharded by its first dimension: each rank holds its own heads' rows (W_r
-        `[h, d_h, R]`). The model reads the rank's part with `local_tensor`."""
+        """A parameter `[heads, ...]` (W_r) sharded by head; read with `local_tensor`."""
 
         def shard_param(self, module, param, mesh):
             meta = module._parameters.get(param)
@@ -140,10 +126,7 @@ if ALL_PARALLEL_STYLES is not None:
 
 
 def tensor_parallel_slice(tensor: torch.Tensor, dim: int) -> int:
-    """The length of `tensor`'s dimension `dim` that this rank holds under tensor parallelism: the slice the `tp`
-    dimension of its mesh gives it (as `torch.chunk` splits, the last rank's may be shorter) when sharded along
-    `dim` there, else the whole length. Sharding by FSDP (the mesh's other dimensions, applied after TP) does not
-    count: what FSDP splits, it gathers again before each forward."""
+    """The length of `tensor`'s dim `dim` this rank holds under TP (the mesh's `tp` dimension; FSDP's do not count)."""
     size = tensor.shape[dim]
     if DTensor is None or not isinstance(tensor, DTensor):
         return size
@@ -160,22 +143,18 @@ def tensor_parallel_slice(tensor: torch.Tensor, dim: int) -> int:
 
 
 def local_rows(linear: nn.Linear) -> int:
-    """Output features `linear` computes on this rank: its slice when sharded by row (a `colwise` projection), else
-    `out_features`."""
+    """Output features `linear` computes on this rank."""
     return tensor_parallel_slice(linear.weight, 0)
 
 
 def local_columns(linear: nn.Linear) -> int:
-    """Input features `linear` reads on this rank: its slice when sharded by column (a `rowwise` projection), else
-    `in_features`."""
+    """Input features `linear` reads on this rank."""
     return tensor_parallel_slice(linear.weight, -1)
 
 
 def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) -> None:
-    """Set `module.num_heads` and `module.num_kv_heads` (an attention module's) to the heads this rank holds, from its
-    weights: `head_parameters` (the projections that output heads, and W_r) sharded by row and `o_proj` by column
-    (all of them, or none: replicated heads). Raise, naming the module, for a plan that shards some of them only, or
-    head counts that tp_size does not divide (each rank must hold whole heads; GQA keeps its groups)."""
+    """Set `module.num_heads`/`num_kv_heads` to this rank's, from its sharded `head_parameters` and `o_proj`.
+    ValueError if only some are sharded, or tp_size does not divide the head counts."""
     held = {part: getattr(module, part, None) for part in head_parameters}
     weights = {part: t.weight if isinstance(t, nn.Linear) else t for part, t in held.items() if t is not None}
     sharded = {part: tensor_parallel_slice(weight, 0) != weight.shape[0] for part, weight in weights.items()}

@@ -2,19 +2,12 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""What differs between the Transformers releases dat_hf supports (setup.cfg: `transformers>=5.17,<6`), in one place.
+"""What differs between the supported Transformers releases (`transformers>=5.17,<6`), mapped onto the installed one:
 
-dat_hf's code follows the newest convention; this module maps it onto the installed release:
-
-- 5.24 renamed the cache `past_key_values` -> `cache`: in model forwards, in the inputs `generate()` hands the model
-  (and in `create_masks_for_generate`), in `masking_utils`' mask builders, in the fields of `ModelOutput`s and in
-  what `GradientCheckpointingLayer` drops while checkpointing. DAT's forwards take `cache` and accept
-  `past_key_values` as the same argument (what `generate()` passes before 5.24: silently there, with a
-  `FutureWarning` from 5.24 on, like Transformers' models); what dat_hf hands to Transformers uses the installed
-  release's name (`CACHE_NAME`).
-- 5.17 has no `transformers.modeling_utils.slice_logits_to_keep`; dat_hf's own follows its rules.
-- Continuous batching's paged cache (`generation/continuous_batching`) changed its API between releases; DAT's layers
-  use the one of 5.24 (`paged_cache_limits` says whether the installed release has it).
+- 5.24 renamed the cache `past_key_values` -> `cache` (forwards, `generate()` inputs, mask builders, outputs): DAT's
+  forwards take `cache` and accept `past_key_values`; what dat_hf hands Transformers uses `CACHE_NAME`.
+- 5.17 has no `transformers.modeling_utils.slice_logits_to_keep`.
+- DAT's layers use 5.24's paged cache API (`paged_cache_limits`).
 """
 
 import dataclasses
@@ -29,17 +22,18 @@ import transformers
 from packaging.version import Version
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-# the oldest and newest Transformers releases the suite ran on (constraints/floor.txt, constraints/tested.txt)
+# the oldest and newest releases tested (constraints/floor.txt, constraints/tested.txt)
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
 
-# the installed release's name of the cache (argument and output field): "cache" from 5.24, else "past_key_values"
-CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+# the installed release's name of the cache argument and output field
+CACHE_NAME = ("cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)}
+              else "past_key_values")
 LEGACY_CACHE_NAME = "past_key_values"
 # the cache's names an output may carry (Trainer's `keys_to_ignore_at_inference`, accelerate's device placement)
 CACHE_NAMES = ["cache", "past_key_values"]
 
 
-# the `cache` argument as `auto_docstring` reads it (releases before 5.24 do not document it themselves)
+# the `cache` argument for `auto_docstring` (releases before 5.24 do not document it)
 CACHE_ARG_DOC = """cache (`~cache_utils.Cache`, *optional*):
     The cache of the tokens seen so far (keys, values, symbol values and relation keys of every layer), as returned
     by an earlier forward with `use_cache=True`; the model returns it updated. Also accepted as `past_key_values`
@@ -47,9 +41,8 @@ CACHE_ARG_DOC = """cache (`~cache_utils.Cache`, *optional*):
 
 
 def takes_cache(function):
-    """For a forward written with a `cache` argument (the innermost decorator, under `auto_docstring`): also accept
-    `past_key_values=` (what `generate()` passes before Transformers 5.24, silently there; from 5.24 on, a
-    `FutureWarning`, as Transformers' own models give; giving both is an error), and document `cache`."""
+    """Innermost decorator of a forward with `cache`: also accept `past_key_values=` (a `FutureWarning` from 5.24;
+    ValueError if both are given), and document `cache`."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
@@ -71,13 +64,12 @@ def takes_cache(function):
 
 
 def cache_kwargs(cache) -> dict:
-    """`{name: cache}` under the installed release's name: for `masking_utils`' builders, `ModelOutput`s, and the
-    `model_kwargs` of `generate()`."""
+    """`{CACHE_NAME: cache}`."""
     return {CACHE_NAME: cache}
 
 
 def output_cache(outputs):
-    """The cache a `ModelOutput` (or `generate()`'s `model_kwargs` dict) carries, whatever the release calls it."""
+    """The cache a `ModelOutput` (or `model_kwargs` dict) carries."""
     if isinstance(outputs, dict):
         return outputs.get(CACHE_NAME)
     return getattr(outputs, CACHE_NAME, None)
@@ -88,8 +80,7 @@ class UntestedTransformersWarning(UserWarning):
 
 
 def warn_if_untested_transformers(installed: str = transformers.__version__) -> bool:
-    """Warn (once: `import dat_hf` calls it) when the installed Transformers is newer than `TESTED_TRANSFORMERS`
-    says; -> whether it warned. Older ones are refused by setup.cfg's floor."""
+    """Warn if the installed Transformers is newer than `TESTED_TRANSFORMERS`; -> whether it warned."""
     oldest, newest = TESTED_TRANSFORMERS
     if Version(installed).release <= Version(newest).release:
         return False
@@ -100,8 +91,7 @@ def warn_if_untested_transformers(installed: str = transformers.__version__) -> 
     return True
 
 
-# what DAT's `PagedCache` uses of Transformers' `PagedAttentionCache` (5.24): `update(key_states, value_states,
-# layer_idx, kwargs)` with the batch's read/write indices in the kwargs, and `layer_to_allocator[i].layer_type`
+# what `PagedCache` uses of 5.24's `PagedAttentionCache`: this `update` signature and `layer_to_allocator`
 PAGED_CACHE_UPDATE = ["self", "key_states", "value_states", "layer_idx", "kwargs"]
 
 
@@ -111,17 +101,16 @@ def paged_cache_limits() -> str | None:
 
     parameters = list(inspect.signature(PagedAttentionCache.update).parameters)
     if parameters != PAGED_CACHE_UPDATE or "layer_to_allocator" not in inspect.getsource(PagedAttentionCache.__init__):
-        return (f"transformers {transformers.__version__}'s paged cache (`PagedAttentionCache.update({', '.join(parameters[1:])})`) "
+        return (f"transformers {transformers.__version__}'s paged cache "
+                f"(`PagedAttentionCache.update({', '.join(parameters[1:])})`) "
                 f"is not the one DAT's layers use (Transformers {TESTED_TRANSFORMERS[1]}: "
                 f"`update({', '.join(PAGED_CACHE_UPDATE[1:])})`); install transformers=={TESTED_TRANSFORMERS[1]}")
     return None
 
 
 def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The positions of `hidden_states` `[b, n, d]` whose logits are wanted, before the LM head: an `int` keeps the
-    last `logits_to_keep` positions (0: all); a 1D tensor, these positions for every sample; a 2D integer tensor
-    `[b, k]`, per-sample positions (`[b, k, d]`); a 2D boolean `[b, n]`, the True positions, flattened to
-    `[true, d]`. The rules of `transformers.modeling_utils.slice_logits_to_keep` (not in Transformers 5.17)."""
+    """`hidden_states` `[b, n, d]` at the positions whose logits are wanted: an `int`, the last ones (0: all); a 1D
+    tensor, those positions; a 2D int `[b, k]`, per-sample (`[b, k, d]`); a 2D bool `[b, n]`, flattened `[true, d]`."""
     if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
         if logits_to_keep.dtype == torch.bool:
             return hidden_states[logits_to_keep]
@@ -131,6 +120,5 @@ def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torc
     return hidden_states[:, logits_to_keep, :]
 
 
-__all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs", "output_cache",
-           "paged_cache_limits",
-           "slice_logits_to_keep", "takes_cache", "warn_if_untested_transformers"]
+__all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs",
+           "output_cache", "paged_cache_limits", "slice_logits_to_keep", "takes_cache", "warn_if_untested_transformers"]

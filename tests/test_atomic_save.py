@@ -521,3 +521,29 @@ def test_readers_racing_a_writer_never_load_a_mix_long(tmp_path):
     loads, mixes, reloads = race(tmp_path, saves=400)
     print(f"race: {loads} loads during 400 sharded saves, {len(mixes)} mixes, {len(reloads)} reloads/waits announced")
     assert loads >= 100 and mixes == []
+
+
+def test_a_config_read_before_a_save_commits_is_read_again(tmp_path):
+    """`import dat_hf` has DAT configs remember what `from_dict` read (`safe_folders.config_source`): a config read
+    (as AutoConfig does) before another save commits is read again, so the new weights never get the old config."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from dat_hf.safe_folders import config_source
+
+    folder = tmp_path / "model"
+    DATForCausalLM(tiny_config(vocab_size=200, pad_token_id=1)).save_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder)
+    assert config_source(config)[0]["pad_token_id"] == 1
+    DATForCausalLM(tiny_config(vocab_size=200, pad_token_id=2)).save_pretrained(folder)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dat_hf.safe_folders").addHandler(handler)
+    try:
+        loaded = DATForCausalLM.from_pretrained(folder, config=config)
+    finally:
+        logging.getLogger("dat_hf.safe_folders").removeHandler(handler)
+    assert loaded.config.pad_token_id == 2
+    assert any("changed after it was read" in r.getMessage() for r in records)

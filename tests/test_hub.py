@@ -23,8 +23,9 @@ from transformers import (
 
 import dat_hf
 from conftest import tiny_config
-from dat_hf import (DATConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM, DATForSequenceClassification,
-                    DATModel, DATSeq2SeqConfig, DATVisionConfig)
+from dat_hf import (DATConfig, DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
+                    DATForSequenceClassification, DATForTokenClassification, DATModel, DATSeq2SeqConfig,
+                    DATVisionConfig)
 
 PACKAGE_DIR = Path(dat_hf.__file__).parent
 REPO_ROOT = PACKAGE_DIR.parent
@@ -166,10 +167,11 @@ def family_models():
         "vision": lambda: DATForImageClassification(DATVisionConfig(image_size=8, patch_size=4, num_channels=1,
                                                                     num_labels=2, **tiny)),
         "seq2seq": lambda: DATForSeq2SeqLM(DATSeq2SeqConfig(vocab_size=16, encoder_layers=1, **tiny)),
+        "encoder": lambda: DATForTokenClassification(DATEncoderConfig(vocab_size=16, num_labels=3, **tiny)),
     }
 
 
-@pytest.mark.parametrize("family", ["causal_lm", "vision", "seq2seq"])
+@pytest.mark.parametrize("family", ["causal_lm", "vision", "seq2seq", "encoder"])
 def test_copied_code_is_the_model_definition(family, tmp_path):
     """`save_pretrained` copies the model's definition only: dat_hf's crash-safe saving and its checks of untrusted
     folders (installed into the hook points by `import dat_hf`) stay in the package."""
@@ -267,7 +269,8 @@ import json, os
 from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, pipeline
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification, pipeline)
 
 try:
     import dat_hf  # noqa: F401
@@ -293,6 +296,10 @@ with torch.no_grad():
     results["hidden"] = base(inputs["input_ids"]).last_hidden_state
     clf = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=2)
     report["clf_class"] = type(clf).__name__
+    # the bidirectional family (its own config and modeling files)
+    tagger = AutoModelForTokenClassification.from_pretrained(work / "encoder", trust_remote_code=True).eval()
+    report["tagger_class"] = type(tagger).__module__ + "." + type(tagger).__name__
+    results["tags"] = tagger(inputs["input_ids"]).logits
 
     # saved again by the remote code: Transformers' own save_pretrained (dat_hf's crash-safe saving is not copied)
     model.save_pretrained(work / "resaved")
@@ -315,6 +322,11 @@ def remote_run(tmp_path_factory, lm_folder):
     work = tmp_path_factory.mktemp("remote")
     model = make_model(symbol_retrieval="positional", num_relational_key_value_heads=1)
     model.save_pretrained(work / "model")
+    torch.manual_seed(0)
+    tagger = DATForTokenClassification(DATEncoderConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2, num_relational_heads=2,
+        intermediate_size=64, num_symbols=8, symbolic_attention_heads=2, num_labels=3, initializer_range=0.1)).eval()
+    tagger.save_pretrained(work / "encoder")
     ids = input_ids(2, 6)
     save_file({"input_ids": ids}, str(work / "inputs.safetensors"))
     os.symlink(lm_folder, work / "lm")
@@ -329,7 +341,8 @@ def remote_run(tmp_path_factory, lm_folder):
     assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
     with torch.no_grad():
         expected = {"logits": model(ids).logits, "hidden": model.model(ids).last_hidden_state,
-                    "generated": model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)}
+                    "generated": model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
+                    "tags": tagger(ids).logits}
     return dict(results=load_file(work / "results.safetensors"), report=json.loads((work / "report.json").read_text()),
                 expected=expected)
 
@@ -342,6 +355,8 @@ def test_remote_code_loads_without_dat_hf(remote_run):
     assert "transformers_modules" in report["config_class"]
     assert report["base_class"] == "DATModel"
     assert report["clf_class"] == "DATForSequenceClassification"
+    assert report["tagger_class"].endswith(".DATForTokenClassification")
+    assert "transformers_modules" in report["tagger_class"]
     # only the model's definition was imported: nothing of dat_hf's saving and loading machinery
     loaded = {name.rsplit(".", 1)[-1] + ".py" for name in report["modules"]}
     assert "modeling_dat.py" in loaded and not loaded & LOCAL_ONLY, report["modules"]
@@ -363,6 +378,7 @@ def test_remote_code_same_outputs(remote_run):
     # (float32: here dat_hf's CPU kernels run, there the PyTorch references, which sum in other orders)
     torch.testing.assert_close(results["logits"], expected["logits"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results["hidden"], expected["hidden"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["tags"], expected["tags"], atol=1e-5, rtol=1e-5)
     assert torch.equal(results["generated"], expected["generated"])
 
 

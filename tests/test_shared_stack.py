@@ -4,6 +4,7 @@ included, the decoder's cross-attention taking the source from `CrossAttentionSo
 import torch
 from test_seq2seq import model_for, padded_batch
 
+import dat_hf.modeling_dat as modeling_dat
 import dat_hf.modeling_dat_seq2seq as seq2seq
 
 
@@ -14,7 +15,8 @@ def test_seq2seq_encoder_and_decoder_run_the_shared_layer_loop(monkeypatch):
         stacks.append(type(layers[0]).__name__)
         return shared_loop(layers, *args, **kwargs)
 
-    monkeypatch.setattr(seq2seq, "run_dat_layers", recording_loop)
+    monkeypatch.setattr(seq2seq, "run_dat_layers", recording_loop)  # the encoder's call
+    monkeypatch.setattr(modeling_dat, "run_dat_layers", recording_loop)  # the decoder's, through `run_text_stack`
     model = model_for("dual-cross")
     x, mask = padded_batch(model.config.vocab_size)
     with torch.no_grad():
