@@ -18,7 +18,8 @@ A case (`draw_case(seed)`) draws:
 
 Tolerances (logits of magnitude ~1-10, `initializer_range=0.2`): float32 `FP32_ATOL` + `FP32_RTOL` of the largest
 reference logit (observed at most ~7e-6 over 1,500 cases); bf16 `BF16_TOL` of the largest reference logit
-(`BF16_TOL_NARROW` below 8 features); cached vs recomputed float32 logits `CACHE_ATOL`.
+(`BF16_TOL_NARROW` below 8 features); where eager in the same dtype exceeds its bar itself, `FLOOR_FACTOR` times
+eager's own error; cached vs recomputed float32 logits `CACHE_ATOL`.
 FlexAttention runs uncompiled in drawn cases (PyTorch's own evaluation of the same `BlockMask`; compiling costs
 ~10 s per new shape on CPU); `test_fuzz_attention.py`'s regression cases run it compiled.
 """
@@ -36,7 +37,7 @@ from dat_hf import masking_dat, relational_attention
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
 
 FP32_ATOL, FP32_RTOL = 2e-5, 2e-5
-FP32_FLOOR_FACTOR = 2  # (of float32 eager's own error, where that exceeds the tolerance)
+FLOOR_FACTOR = 2  # (of eager's own error in the same dtype, where that exceeds the tolerance)
 BF16_TOL, BF16_TOL_NARROW = 0.08, 0.25  # of the largest reference logit; narrow: `hidden_size` < 8, where a few
 # bf16 roundings of 2-6 features move a norm's output by several percent (seed 848: 0.106 at hidden_size 2)
 CACHE_ATOL = 1e-4
@@ -247,12 +248,13 @@ def check_case(case: Case) -> str:
         diff = (got.double() - expected)[rows].abs().max().item() if rows.any() else 0.0
         bf16_tol = BF16_TOL if case.config["hidden_size"] >= 8 else BF16_TOL_NARROW
         tolerance = bf16_tol * max(scale, 1.0) if dtype == torch.bfloat16 else FP32_ATOL + FP32_RTOL * scale
-        if dtype == torch.float32 and diff > tolerance:
+        if diff > tolerance:
             # an ill-conditioned model (a norm over 2 features: seed 101052) loses float32 precision whatever the
-            # backend; the backends must then be as close to float64 as float32's own eager stages are
+            # backend, and a long bf16 case may exceed its bar in eager too (seed 1734396530: bf16 eager 0.570 > 0.559);
+            # the backends must then be as close to float64 as the same dtype's own eager stages are
             eager = build(case, "eager", "eager" if case.config["num_relational_heads"] else None, dtype, state)
             floor = (outputs(eager, case, ids, mask, graph).double() - expected)[rows].abs().max().item()
-            tolerance = max(tolerance, FP32_FLOOR_FACTOR * floor)
+            tolerance = max(tolerance, FLOOR_FACTOR * floor)
         assert diff <= tolerance, (f"{dtype} outputs differ from the float64 reference by {diff:.3g} > {tolerance:.3g} "
                                    f"(relational backends {sorted(backends)}): {case.describe()}")
         return f"{case.check} diff {diff:.2g} backends {sorted(backends)}"
