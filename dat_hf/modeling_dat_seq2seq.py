@@ -58,7 +58,7 @@ from .modeling_dat import (
     self_attention_cache,
     stack_forward,
 )
-from .transformers_compat import cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
+from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
 
 def stack_config(config: DATSeq2SeqConfig, **fields) -> DATSeq2SeqConfig:
@@ -730,7 +730,7 @@ class DATForSeq2SeqLM(DATSeq2SeqPreTrainedModel, DATGenerationMixin):
                 logits.float().reshape(-1, logits.shape[-1]), labels.to(logits.device).reshape(-1), ignore_index=-100
             )
         recorded = {name: getattr(outputs, name) for name in DATSeq2SeqModelOutput.__dataclass_fields__
-                    if name not in ("last_hidden_state", "cache", "past_key_values")}
+                    if name != "last_hidden_state" and name not in CACHE_NAMES}
         return DATSeq2SeqLMOutput(loss=loss, logits=logits, **cache_kwargs(output_cache(outputs)), **recorded)
 
 
