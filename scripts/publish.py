@@ -6,11 +6,9 @@
 What is sent (one `HfApi.create_commit` with the default `--method commit`):
 - `config.json` (with an `auto_map` for every Auto class of the family), `model.safetensors`,
   `generation_config.json`;
-- the remote code: `configuration_dat.py`, `modeling_dat.py` and the modules it imports (`dual_attention.py`,
-  `relational_attention.py`, `relational_attention_fused.py`, `sensory_attention.py`, `masking_dat.py`, `symbol_retrieval.py`,
-  `relational_biases.py`, `cache_dat.py`, `kernel_hooks.py`, `transformers_compat.py`), so
-  `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works without dat_hf (unchecked inputs:
-  dat_hf's input checks come with `pip install dat_hf` and `import dat_hf`);
+- the remote code: `modeling_dat.py` and every module it imports, as `save_pretrained` copies them
+  (`remote_code_files()`), so `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` works without
+  dat_hf (unchecked inputs: dat_hf's input checks come with `pip install dat_hf` and `import dat_hf`);
 - the tokenizer files (`tokenizer.json`, `tokenizer_config.json`, ...);
 - `README.md`: the model card from `model_cards/dat_causal_lm.md` with the real configuration, parameter count,
   training data, metrics and usage snippet;
@@ -34,11 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEMPLATE = REPO_ROOT / "model_cards" / "dat_causal_lm.md"
 CODE_URL = os.environ.get("DAT_HF_CODE_URL")  # link of the card's "dat_hf" mention, if any
 
-REMOTE_CODE_FILES = ("configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
-                     "relational_attention_fused.py", "sensory_attention.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-                     "relational_biases.py", "kernel_hooks.py", "transformers_compat.py")
-REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "README.md") + REMOTE_CODE_FILES
+MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "README.md")
 RESULT_FILES = ("all_results.json", "eval_results.json", "train_results.json", "training_run.json")
 CARD_METRICS = (("eval_perplexity", "perplexity"), ("eval_mean_perplexity", "mean block perplexity"),
                 ("eval_loss", "loss (nats/token)"), ("eval_num_tokens", "tokens scored"),
@@ -47,6 +42,17 @@ CARD_METRICS = (("eval_perplexity", "perplexity"), ("eval_mean_perplexity", "mea
 
 class PublishError(RuntimeError):
     """A publication that cannot proceed (no token, Hub unreachable); the message is one line saying what to do."""
+
+
+def remote_code_files() -> tuple[str, ...]:
+    """The names of a causal LM folder's remote code: dat_hf's `modeling_dat.py` and every module it imports,
+    directly or not (Transformers' `get_relative_import_files`, which `save_pretrained` copies by)."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    import dat_hf
+
+    modeling = Path(dat_hf.__file__).parent / "modeling_dat.py"
+    return tuple(sorted({modeling.name, *(Path(path).name for path in get_relative_import_files(modeling))}))
 
 
 def _require_token(token):
@@ -227,7 +233,7 @@ def prepare_upload_folder(folder: str | os.PathLike, staging_dir: str | os.PathL
     from huggingface_hub import ModelCard
 
     ModelCard.load(staging_dir / "README.md")  # the metadata parses (the Hub validates it again on commit)
-    missing = [name for name in REQUIRED_FILES if not (staging_dir / name).is_file()]
+    missing = [name for name in MODEL_FILES + remote_code_files() if not (staging_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(f"Cannot publish {folder}: missing {missing} after saving.")
     return model, tokenizer, card

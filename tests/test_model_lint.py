@@ -57,7 +57,7 @@ def test_linted_files_are_the_remote_code(tmp_path):
     assert all(path.parent == REPO_ROOT / "dat_hf" for path in files), files
     # what saving every family writes, plus the pipeline module (written by `pipeline.save_pretrained`)
     assert names == saved_python_files(tmp_path) | {"pipeline_text2text.py"}
-    assert set(publish.REMOTE_CODE_FILES) <= names
+    assert set(publish.remote_code_files()) <= names
     assert lint.lint_name(REPO_ROOT / "dat_hf" / "dual_attention.py") == "modeling_dual_attention.py"
     assert lint.lint_name(REPO_ROOT / "dat_hf" / "image_processing_dat.py") == "image_processing_dat.py"
 

@@ -15,7 +15,8 @@ from dat_hf import DATForCausalLM
 REQUIRED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "configuration_dat.py", "modeling_dat.py", "dual_attention.py", "relational_attention.py",
             "relational_attention_fused.py", "sensory_attention.py", "masking_dat.py", "symbol_retrieval.py", "cache_dat.py",
-            "relational_biases.py", "kernel_hooks.py", "transformers_compat.py", "README.md"}
+            "relational_biases.py", "kernel_hooks.py", "transformers_compat.py", "attention_plan.py",
+            "tensor_parallel_dat.py", "README.md"}
 REPO_ID = "someone/dat-tiny-shakespeare"
 
 
@@ -107,6 +108,7 @@ def test_publish_single_commit_sends_every_file(trained_folder, monkeypatch, tmp
     files = hub.commits[0]["files"]
     assert REQUIRED <= set(files), REQUIRED - set(files)
     assert "input_validation.py" not in files  # (installed by `import dat_hf`, not part of the remote code)
+    assert {name for name in files if name.endswith(".py")} == set(publish.remote_code_files())  # what it checks
     assert {"eval_results.json", "train_results.json", "training_run.json"} <= set(files)
     config = json.loads(files["config.json"])
     assert config["auto_map"] == {
