@@ -185,15 +185,19 @@ def ready_manager(model, warm, args, result):
     """The started manager, warmed up on the `warm` prompts (its construction and those requests timed as
     `setup_s`), its paged cache's bytes per token put in `result`; None, its error in `result`, when it cannot serve
     the model."""
+    manager = None
     try:
         start = time.perf_counter()
         manager = start_manager(model, args)
         continuous(manager, warm, args)
+        result["setup_s"] = time.perf_counter() - start
+        result["paged_bytes_per_token"] = paged_bytes_per_token(manager.batch_processor.cache)
     except Exception as error:  # noqa: BLE001 (a model the manager cannot serve: the other ways still run)
         result["continuous_error"] = f"{type(error).__name__}: {error}"
+        if manager is not None:  # (its running thread would keep the process alive)
+            manager.stop(block=True)
+            manager.destroy()
         return None
-    result["setup_s"] = time.perf_counter() - start
-    result["paged_bytes_per_token"] = paged_bytes_per_token(manager.batch_processor.cache)
     return manager
 
 
@@ -430,6 +434,10 @@ def main(argv=None):
     low, high = args.prompt_lengths
     if not 1 <= low <= high:
         parser().error(f"--prompt-lengths {low} {high}: need 1 <= MIN <= MAX")
+    from dat_hf.transformers_compat import paged_cache_limits
+
+    if (why := paged_cache_limits()) is not None:  # (before 5.24, the manager also swaps Llama's attention for its
+        parser().error(f"DAT's continuous batching needs another Transformers: {why}")  # run: `generate` fails)
     runs = {model: [] for model in args.models}
     start = time.perf_counter()
     for repetition in range(args.repeats):

@@ -41,9 +41,16 @@
 # /tmp/site (or $GPU_CHECKS_SITE), each only where the machine lacks its package or has an older version
 # (scripts/wheels_to_install.py says which). The lent H100/H200 image was read with torch 2.11, triton 3.6,
 # transformers 5.17, accelerate 1.15, tokenizers 0.23, safetensors 0.8, huggingface_hub 1.33 and einops (the device
-# notes, 2026-11): at dat_hf's floors, so nothing needs carrying but `dual_attention` for `reference` (and
-# transformers 5.24, whose other needs the image meets, where a test needs that version); the quick stage's env step
-# prints what the machine has.
+# notes, 2026-11): at dat_hf's floors, so nothing needs carrying but `dual_attention` for `reference` and
+# transformers 5.24 (its other needs the image meets) for the quick stage's serve step (DAT's continuous batching
+# runs on 5.24's paged cache; without it the step fails at once, naming the wheel): before a lent run,
+# `pip download --no-deps -d .whl transformers==5.24.0` here, and carry `.whl`. The quick stage's env step prints
+# what the machine has. CI's floor leg runs the kernel's checks (interpreted, and compiled for sm_90 with
+# Triton's own ptxas) and this quick stage's dry run with that Triton, 3.6.0, and Transformers 5.17.
+#
+# No TP=1 row: Transformers (5.17 to 5.24) loads `tp_plan="auto"` at a world size of 1 as a plain model (no process
+# group, no DTensor, no hooks: its tp_size > 1 tests), so it would repeat the decode row; tensor parallelism needs
+# the `tp` stage's 2 GPUs.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"

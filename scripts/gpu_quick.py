@@ -19,6 +19,8 @@ Each step adds its figures to DIR/quick.json as it goes (a step stopped at its t
 - backends: the train step with the relational heads on `flex_attention` (every head on FlexAttention) and on `sdpa`;
 - serve: `scripts/benchmark_serve.py`'s serving throughput at 16 requests (bf16, one process for both models):
   continuous batching vs sequential and padded `generate`, DAT vs Llama, and the bytes per token of both caches.
+  DAT's continuous batching needs Transformers 5.24's paged cache: on an older release (the lent image has 5.17) the
+  step fails at once, saying which wheel to carry.
 
 With `GPU_CHECKS_DRY_RUN=1` (CPU, Triton's interpreter, tiny shapes) every step runs the same code on CPU: the suite's
 dry run (`tests/test_gpu_quick.py`). Progress lines go to stdout, prefixed `[quick STEP]`.
@@ -454,9 +456,20 @@ def step_serve(out: Path) -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark_serve
 
+    import transformers
+
+    from dat_hf.transformers_compat import TESTED_TRANSFORMERS, paged_cache_limits
+
     s = settings()
     args = benchmark_serve.parser().parse_args(serve_argv(s))
     section, runs = {"argv": serve_argv(s)}, {}
+    if paged_cache_limits() is not None:  # (benchmark_serve.py refuses such a release: nothing measured)
+        section["dat_needs"] = (f"not run: DAT's continuous batching needs Transformers {TESTED_TRANSFORMERS[1]}'s "
+                                f"paged cache, this machine has {transformers.__version__}: carry its "
+                                f"wheel (`pip download --no-deps -d .whl transformers=={TESTED_TRANSFORMERS[1]}`)")
+        progress("serve", section["dat_needs"])
+        update(out, "serve", section)
+        return 1
     for model in args.models:
         runs[model] = [benchmark_serve.measure_model(model, args)]
         section["results"] = benchmark_serve.summarize(runs, args)
@@ -582,6 +595,8 @@ def markdown(report: dict) -> str:
                      f"{fmt(llama.get('time_s'), '.3f', ' s')} | {fmt(sm.get('time_ratio'), '.2f')} "
                      f"(memory {fmt(sm.get('peak_ratio'), '.2f')}) | | {fmt(sm.get('flop_ratio'), '.2f')} |")
     lines += serve_rows(report.get("serve", {}).get("results", {}))
+    if report.get("serve", {}).get("dat_needs"):
+        lines += ["", f"Serving: {report['serve']['dat_needs']}."]
     lines += ["", "Triton kernel vs the float64 reference (inputs rounded to the dtype; worst of the values and the "
               "five input gradients, as a fraction of the reference's largest entry; tolerance "
               + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()) + "; float32 dots: "

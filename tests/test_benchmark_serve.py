@@ -128,3 +128,16 @@ def test_a_worker_process_gives_what_the_run_in_process_gives():
     assert statistics.mean(r["tokens_per_s"] for r in result["concurrency"]["4"].values()) > 0
     assert (result["paged_bytes_per_token"], result["dynamic_bytes_per_token"]) == cache_bytes(
         serve.model_configs(args)[0])
+
+
+def test_a_release_without_dats_paged_cache_is_refused_by_name(monkeypatch, capsys, tmp_path):
+    """Before Transformers 5.24 the run stops at once, naming the release to install (the lent GPU image has 5.17)."""
+    from dat_hf import transformers_compat
+
+    monkeypatch.setattr(transformers_compat, "paged_cache_limits", lambda: "its paged cache differs; install X")
+    monkeypatch.setattr(serve, "measure_model", lambda *a, **k: pytest.fail("measured on a refused release"))
+    with pytest.raises(SystemExit) as stop:
+        serve.main(["--quick", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and not (tmp_path / "serve.json").exists()
+    assert "DAT's continuous batching needs another Transformers: its paged cache differs; install X" in \
+        capsys.readouterr().err

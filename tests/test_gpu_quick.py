@@ -23,6 +23,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_quick  # noqa: E402
 import wheels_to_install  # noqa: E402
 
+from dat_hf.transformers_compat import paged_cache_limits  # noqa: E402
+
+# DAT's continuous batching runs on Transformers 5.24's paged cache; on an older release (CI's floor leg, 5.17, the
+# lent GPU image's) the serve step fails by name and the other steps still pass
+PAGED = paged_cache_limits() is None
+
 
 def make_wheel(folder: Path, name: str, version: str) -> Path:
     """A pure-Python wheel of one empty module `name`."""
@@ -47,18 +53,19 @@ def test_the_dry_run_writes_every_figure_and_the_table(tmp_path):
     run = subprocess.run(["bash", "scripts/gpu_checks.sh", "quick"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     log = run.stdout + run.stderr
-    assert run.returncode == 0, log[-6000:]
+    rc = {step: 0 if step != "serve" or PAGED else 1 for step in gpu_quick.STEPS + ("report",)}
+    assert run.returncode == max(rc.values()), log[-6000:]
     assert "[wheels] dat_hf_quick_probe 1.0: missing here, installing" in log
     assert re.search(r"\[wheels\] pytest 1\.0: here [\d.]+, not installed", log), log[:3000]
     for step in gpu_quick.STEPS + ("report",):
-        assert re.search(rf"--- quick {step}: rc 0, \d+ s", log), step
+        assert re.search(rf"--- quick {step}: rc {rc[step]}, \d+ s", log), step
     assert (out / "quick.log").read_text().count("[quick kernel]") >= 12
 
     report = json.loads((out / "quick.json").read_text())
     s = gpu_quick.SETTINGS["dry_run"]
     assert set(report) >= {"env", "kernel", "train", "decode", "backends", "summary", "targets", "steps"}
     assert set(report["steps"]) == set(gpu_quick.STEPS) | {"report"}
-    assert all(step["rc"] == 0 and step["budget_s"] > 0 for step in report["steps"].values())
+    assert all(step["rc"] == rc[name] and step["budget_s"] > 0 for name, step in report["steps"].items())
 
     env_section = report["env"]
     assert env_section["dry_run"] is True and env_section["device"]["device"] == "cpu"
@@ -105,24 +112,29 @@ def test_the_dry_run_writes_every_figure_and_the_table(tmp_path):
         assert "no backward on CPU" in backends[f"flex_attention {seq}"]["dat_hf"]["skipped"]
         assert "--relational-backend" in report["backends"]["argv"][f"flex_attention {seq}"]
 
-    serve = report["serve"]["results"]
     requests = s["serve"]["concurrency"][0]
-    for model in ("dat_hf", "llama"):
-        row = serve["concurrency"][str(requests)][model]
-        assert row["errors"] == [] and row["continuous"] > 0 and row["sequential"] > 0, row
-        memory = serve["memory"][model]
-        assert 0 < memory["paged_bytes_per_token"] <= memory["dynamic_bytes_per_token"], memory
-    assert report["summary"]["serve"]["concurrency"] == requests
-    assert report["summary"]["serve"]["paged_bytes_ok"] is True
+    if PAGED:
+        serve = report["serve"]["results"]
+        for model in ("dat_hf", "llama"):
+            row = serve["concurrency"][str(requests)][model]
+            assert row["errors"] == [] and row["continuous"] > 0 and row["sequential"] > 0, row
+            memory = serve["memory"][model]
+            assert 0 < memory["paged_bytes_per_token"] <= memory["dynamic_bytes_per_token"], memory
+        assert report["summary"]["serve"]["concurrency"] == requests
+        assert report["summary"]["serve"]["paged_bytes_ok"] is True
+    else:  # refused at once, naming the wheel to carry
+        assert "results" not in report["serve"] and report["summary"]["serve"] is None
+        assert "carry its wheel (`pip download --no-deps -d .whl transformers==5.24.0`)" in report["serve"]["dat_needs"]
 
     table = (out / "quick.md").read_text()
     assert table.startswith("### GPU quick stage: DRY RUN on CPU")
     assert "| measurement | dat_hf | Llama | dat_hf / Llama | target | FLOP model |" in table
+    serving = ((f"| serving {requests} requests, continuous batching", "| cache bytes per token, paged / dynamic |")
+               if PAGED else (f"Serving: {report['serve']['dat_needs']}.",))
     for row in (f"| train step, {s['train']['seqs'][0]} tokens (relational: sdpa) |",
                 f"| peak memory, {s['train']['seqs'][0]} tokens |", f"| decoding after {prompt} tokens, ms/token",
-                f"relational heads on `sdpa` |", "| 343m-causal | ", "Each autotuning config",
-                "Backends selected on cpu", f"| serving {requests} requests, continuous batching",
-                "| cache bytes per token, paged / dynamic |"):
+                "relational heads on `sdpa` |", "| 343m-causal | ", "Each autotuning config",
+                "Backends selected on cpu", *serving):
         assert row in table, row
     assert "None" not in table and "nan" not in table
 

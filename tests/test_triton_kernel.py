@@ -11,6 +11,9 @@ the rest of the suite on ordinary (compiled) Triton. Here, in process:
   declines what it cannot run (float64, dropout, weights, relation activations, relative symbols, additive masks);
 - `import dat_hf` works and registers no `"triton"` backend when `triton` cannot be imported;
 - the kernels compile for sm_90 (H100, H200) ahead of time, as their first launch on such a GPU compiles them.
+
+CI's floor leg runs this module with Triton 3.6.0, the lent GPU image's (constraints/floor.txt), the other legs with
+the newest Triton.
 """
 
 import os

@@ -49,6 +49,28 @@ def test_tested_range_is_the_constraints_and_the_floor():
     assert f"PyTorch {tested_torch} " in readme
 
 
+def test_the_floor_pins_the_floors_of_setup_cfg():
+    """Each package constraints/floor.txt pins and setup.cfg gives a floor (`>=`, the dev extras included: Triton,
+    whose floor is the lent GPU image's) is pinned at that floor, so CI's floor leg runs what setup.cfg allows."""
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    lines = setup["options"]["install_requires"].splitlines() + setup["options.extras_require"]["dev"].splitlines()
+    floors = {}
+    for line in filter(None, (line.strip() for line in lines)):
+        if not line.startswith("#"):
+            requirement = Requirement(line)
+            floors.update({requirement.name: s.version for s in requirement.specifier if s.operator == ">="})
+    checked = 0
+    for package, floor in floors.items():
+        try:
+            pinned = pinned_version("floor.txt", package)
+        except AssertionError:  # not pinned there (torch: the tested release)
+            continue
+        assert pinned.split(".")[:len(floor.split("."))] == floor.split("."), (package, floor, pinned)
+        checked += 1
+    assert checked == 7 and "triton" in floors  # the six of install_requires that floor.txt pins, and triton
+
+
 def test_a_newer_transformers_warns_naming_the_tested_range():
     oldest, newest = TESTED_TRANSFORMERS
     with warnings.catch_warnings(record=True) as caught:
