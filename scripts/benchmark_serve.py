@@ -436,8 +436,9 @@ def main(argv=None):
         parser().error(f"--prompt-lengths {low} {high}: need 1 <= MIN <= MAX")
     from dat_hf.transformers_compat import paged_cache_limits
 
-    if (why := paged_cache_limits()) is not None:  # (before 5.24, the manager also swaps Llama's attention for its
-        parser().error(f"DAT's continuous batching needs another Transformers: {why}")  # run: `generate` fails)
+    # (before 5.24 the manager also swaps Llama's attention while it runs, so `generate` beside it fails)
+    if (why := paged_cache_limits()) is not None:
+        parser().error(f"DAT's continuous batching needs another Transformers: {why}")
     runs = {model: [] for model in args.models}
     start = time.perf_counter()
     for repetition in range(args.repeats):

@@ -455,13 +455,11 @@ def step_serve(out: Path) -> None:
     come): the table of its summary under "serve"."""
     sys.path.insert(0, str(REPO / "scripts"))
     import benchmark_serve
-
     import transformers
 
     from dat_hf.transformers_compat import TESTED_TRANSFORMERS, paged_cache_limits
 
     s = settings()
-    args = benchmark_serve.parser().parse_args(serve_argv(s))
     section, runs = {"argv": serve_argv(s)}, {}
     if paged_cache_limits() is not None:  # (benchmark_serve.py refuses such a release: nothing measured)
         section["dat_needs"] = (f"not run: DAT's continuous batching needs Transformers {TESTED_TRANSFORMERS[1]}'s "
@@ -470,6 +468,7 @@ def step_serve(out: Path) -> None:
         progress("serve", section["dat_needs"])
         update(out, "serve", section)
         return 1
+    args = benchmark_serve.parser().parse_args(serve_argv(s))
     for model in args.models:
         runs[model] = [benchmark_serve.measure_model(model, args)]
         section["results"] = benchmark_serve.summarize(runs, args)
