@@ -105,8 +105,13 @@ def _recorded(init_cb):
 def hook_server():
     """Wrap the server's generation entries: `fit_to_context` first in each (sequential and continuous batching,
     streamed and not: the prompt is tokenized, nothing is sent yet); the continuous-batching choice by DAT's limits;
-    a record of each continuous-batching manager started, to stop its thread when the server stops."""
+    a record of each continuous-batching manager started, to stop its thread when the server stops. Once per
+    process (a second call does nothing)."""
     from transformers.cli.serving import utils
+
+    if getattr(utils.GenerationState, "_dat_hf_hooked", False):
+        return
+    utils.GenerationState._dat_hf_hooked = True
 
     for manager in (utils.GenerateManager, utils.CBGenerateManager):
         for name in ("generate_streaming", "generate_non_streaming"):

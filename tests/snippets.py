@@ -1,5 +1,6 @@
-"""Python code blocks of Markdown files, and running them in a fresh interpreter (shared by the documentation and
-model card tests).
+"""Python code blocks of Markdown files, and running them in a fresh interpreter (`run_snippets`: the user's view, in
+the integration run) or in this process (`run_in_process`: the default suite; no interpreter start, ~6 s each) (shared
+by the documentation and model card tests).
 
 A block is a fenced ```python block (also `py`, `python3`). Its info string may add `no-run`
 (```` ```python no-run ````): the block is only compiled, never run (GPU code, multi-node launches, placeholders).
@@ -7,11 +8,15 @@ A block is a fenced ```python block (also `py`, `python3`). Its info string may 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import linecache
 import os
+import random
 import re
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,3 +106,46 @@ def failure_message(proc) -> str:
     failed = re.search(r"^@@ FAILED (.+)$", proc.stdout, re.M)
     where = failed.group(1) if failed else "(before the first snippet)"
     return f"snippet at {where} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@contextlib.contextmanager
+def isolated(workdir: Path):
+    """This process as a fresh interpreter would leave it, as far as snippets reach: cwd `workdir`, and afterwards
+    the previous cwd, the environment, the torch/numpy/random generators and dat_hf's relational-bias registry."""
+    import numpy as np
+    import torch
+
+    from dat_hf.relational_biases import RELATIONAL_BIASES
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    cwd, environ, biases = os.getcwd(), dict(os.environ), dict(RELATIONAL_BIASES)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    os.chdir(workdir)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        RELATIONAL_BIASES.clear()
+        RELATIONAL_BIASES.update(biases)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def run_in_process(snippets: list[Snippet], workdir: Path, within=contextlib.nullcontext) -> dict:
+    """Run `snippets` in order in one new `__main__` namespace in this process, `isolated` in `workdir`, inside the
+    context `within()` (e.g. `remote_code.without_dat_hf`); each block compiled under its Markdown file's name and line
+    numbers (tracebacks point into the file). Returns the namespace; a failing block raises AssertionError naming
+    `<file>:<line>` with the traceback."""
+    namespace = {"__name__": "__main__"}
+    with isolated(workdir), within():
+        for snippet in snippets:
+            source = "\n" * (snippet.line - 1) + snippet.code
+            linecache.cache[snippet.path] = (len(source), None, source.splitlines(True), snippet.path)
+            try:
+                exec(compile(source, snippet.path, "exec"), namespace)
+            except Exception as error:
+                raise AssertionError(f"snippet at {snippet.where} failed:\n{traceback.format_exc()}") from error
+    return namespace

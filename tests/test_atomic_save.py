@@ -18,7 +18,8 @@ import time
 import pytest
 import torch
 import transformers.modeling_utils
-from conftest import tiny_config
+from conftest import WHERE, tiny_config
+from remote_code import run_without_dat_hf
 from test_seq2seq import seq2seq_config
 from test_vision import vision_config
 from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSeq2SeqLM
@@ -324,7 +325,8 @@ def weight_digests(model) -> dict:
     return {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
 
 
-def test_remote_code_refuses_an_interrupted_save(tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_remote_code_refuses_an_interrupted_save(tmp_path, where):
     """In a process without dat_hf, `from_pretrained(..., trust_remote_code=True)` runs the folder's own modeling
     code, which holds no repair (`atomic_save.py` is not copied): it refuses a folder with an interrupted save, naming
     the journal, and touches nothing; dat_hf then completes or undoes the save: killed before the commit point -> old
@@ -349,10 +351,8 @@ def test_remote_code_refuses_an_interrupted_save(tmp_path):
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
     def run_child():
-        proc = subprocess.run([sys.executable, "-c", REMOTE_CHILD, *map(str, folders.values())], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        stdout = run_without_dat_hf(where, REMOTE_CHILD, folders.values(), cwd=tmp_path, env=env)
+        return json.loads(stdout.strip().splitlines()[-1])
 
     report = run_child()
     for folder in folders.values():
@@ -455,6 +455,7 @@ def test_planted_links_are_never_followed(tmp_path):
 RACE_WRITER = r'''
 import sys, torch
 from conftest import tiny_config
+from remote_code import run_without_dat_hf
 from dat_hf import DATForCausalLM
 folder, saves = sys.argv[1], int(sys.argv[2])
 model = DATForCausalLM(tiny_config(vocab_size=200, intermediate_size=96))
@@ -509,6 +510,7 @@ def race(tmp_path, saves, capsys=None):
     return loads, mixes, reloads
 
 
+@pytest.mark.integration
 def test_readers_racing_a_writer_never_load_a_mix(tmp_path):
     loads, mixes, reloads = race(tmp_path, saves=25)
     print(f"race: {loads} loads during 25 sharded saves, {len(mixes)} mixes, {len(reloads)} reloads/waits announced")

@@ -148,7 +148,14 @@ def test_malformed_safetensors_is_refused(tmp_path, constructions):
     assert constructions == []  # (the header is read before anything is built)
 
 
-DELETE = object()  # a table value: the field is removed
+class _Delete:
+    """A table value: the field is removed."""
+
+    def __repr__(self):  # (a stable test id: xdist's workers must collect the same names)
+        return "<deleted>"
+
+
+DELETE = _Delete()
 BAD_FIELDS = [  # (class, {field (nested as a.b): bad value}, what the message says besides the file)
     ("dat", {"n_heads_sa": -2}, "`n_heads_sa` must be a non-negative integer, got -2"),
     ("dat", {"n_heads_sa": True}, "`n_heads_sa` must be a non-negative integer, got True"),

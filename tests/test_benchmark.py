@@ -31,6 +31,21 @@ def benchmark_module():
     return benchmark
 
 
+@pytest.mark.parametrize("impl", ["dat_hf", "reference", "llama"])
+def test_benchmark_workers_measure_in_process(impl, capsys):
+    """One measurement of each worker (what `run_worker` starts in a child process per implementation) in this
+    process: its JSON line has positive figures; the children and the report are the smokes' (integration)."""
+    benchmark = benchmark_module()
+    benchmark.main(["_train", "--impl", impl, "--seq", "16", "--steps", "1", "--batch", "1", *TINY])
+    train = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert train["time_s"] > 0 and train["peak_gib"] > 0, train
+    benchmark.main(["_generate", "--impl", impl, "--prompt", "6", "--new-tokens", "3", *TINY])
+    generate = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert generate["decode_ms_per_token"] > 0 and generate["prefill_s"] > 0, generate
+    assert (generate["forward_ms_per_token"] is None) == (impl == "reference"), generate
+
+
+@pytest.mark.integration
 def test_benchmark_train_smoke(tmp_path):
     stdout, report = run_benchmark(tmp_path, "train", "--seq", "32", "--steps", "1", "--batch", "1", *TINY,
                                    "--mmap-threshold", "131072")
@@ -68,6 +83,7 @@ def test_a_presets_shapes_with_the_reference(tmp_path):
     assert counts["dat_hf"] == counts["reference"] != counts["llama"], counts
 
 
+@pytest.mark.integration
 def test_benchmark_heap_only_malloc_reaches_the_workers(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     stdout, report = run_benchmark(tmp_path, "train", "--impls", "dat_hf", "--seq", "32", "--steps", "1", "--batch",
@@ -120,6 +136,7 @@ def test_pair_ratios_pair_repetitions_and_skip_missing_runs():
     assert pair_ratios(runs, "dat_hf", "reference", "t") is None
 
 
+@pytest.mark.integration
 def test_benchmark_generate_smoke(tmp_path):
     stdout, report = run_benchmark(tmp_path, "generate", "--prompt", "6", "--new-tokens", "3", *TINY)
     results = report["results"]["6"]
@@ -214,6 +231,7 @@ def test_a_call_only_sdpa_math_could_serve_fails_the_run_and_says_so():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
 
 
+@pytest.mark.integration
 def test_benchmark_parts_smoke(tmp_path):
     stdout, report = run_benchmark(tmp_path, "parts", "--seq", "16", "--batch", "1", "--vocab", "64", "--hidden", "32",
                                    "--ffn", "64", "--max-len", "64", "--threads", "1")
@@ -224,6 +242,7 @@ def test_benchmark_parts_smoke(tmp_path):
     assert "dat_hf layer / llama layer" in stdout
 
 
+@pytest.mark.integration
 def test_benchmark_validation_smoke():
     """scripts/benchmark_validation.py builds the benchmark model through benchmark.py and reports both ratios."""
     cmd = [sys.executable, str(REPO / "scripts" / "benchmark_validation.py"), "--repeats", "1", "--steps", "1",
@@ -235,6 +254,7 @@ def test_benchmark_validation_smoke():
     assert "checks of one decode step" in result.stdout
 
 
+@pytest.mark.integration
 def test_decode_op_benchmark_counts_the_senders_of_each_mask():
     """`scripts/benchmark_decode_op.py` times the relational decoding op for masks allowing every slot, a causal
     step's and a sliding window's."""
@@ -247,6 +267,7 @@ def test_decode_op_benchmark_counts_the_senders_of_each_mask():
     assert all(r["us"] > 0 for r in report.values())
 
 
+@pytest.mark.integration
 def test_decode_op_benchmark_of_the_triton_kernel():
     """`--backend triton` (on CUDA in scripts/gpu_checks.sh; here under Triton's interpreter): the kernel with its
     senders split and with one program per row, beside SDPA, for each mask."""

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import benchmark_tensor_parallel as tp_bench  # noqa: E402
 
 
+@pytest.mark.integration
 def test_quick_run_reports_every_leg_and_equal_losses(tmp_path):
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "benchmark_tensor_parallel.py"), "--quick", "--out",
            str(tmp_path)]

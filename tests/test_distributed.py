@@ -9,6 +9,7 @@ import pytest
 from lm_helpers import REPO_ROOT, run_group, subprocess_env, train_args
 
 
+@pytest.mark.integration
 def test_torchrun_two_process_ddp(tmp_path):
     out = tmp_path / "ddp"
     # the tokenizer is trained by rank 0 and read back by rank 1; checkpoints at steps 6 and 12

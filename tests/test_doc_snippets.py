@@ -1,21 +1,23 @@
 """Every Python block of the documentation runs: README.md, docs/**/*.md and the other Markdown files of the repository
 (model card templates excepted: `tests/test_model_cards.py` renders and runs those).
 
-Each Markdown file's blocks run in order in one fresh interpreter, in one namespace, like a doctest session: a block
-may use names defined by an earlier block of the same file, never of another file. The README's blocks are the
-exception: each runs alone in its own interpreter, since a reader copies any one of them. The interpreter starts in an
-empty temporary folder, with the Hub offline (`HF_HUB_OFFLINE=1`), one thread, stdin closed (an interactive
-`trust_remote_code` prompt fails) and this checkout's `dat_hf` first on the path. A failure names the Markdown file
-and the line of the failing block.
+Each Markdown file's blocks run in order in one namespace, like a doctest session: a block may use names defined by
+an earlier block of the same file, never of another file. The README's blocks are the exception: each runs alone,
+since a reader copies any one of them. The default suite runs them in this process (`snippets.run_in_process`: a new
+namespace per file, an empty temporary folder as cwd, the generators and the bias registry restored after), the
+integration run in a fresh interpreter each, as a reader runs them: in an empty temporary folder, with the Hub offline
+(`HF_HUB_OFFLINE=1`), one thread, stdin closed (an interactive `trust_remote_code` prompt fails) and this checkout's
+`dat_hf` first on the path. A failure names the Markdown file and the line of the failing block.
 
 Blocks fenced as ```` ```python no-run ```` (GPU-only code, multi-node launches, placeholders for the user's own
 objects) are never run; `test_no_run_blocks_compile` checks that each of them compiles.
 """
 
+import os
 from pathlib import Path
 
 import pytest
-from snippets import extract_snippets, failure_message, offline_env, run_snippets
+from snippets import extract_snippets, failure_message, offline_env, run_in_process, run_snippets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SKIPPED_DIRS = {"model_cards", "runs", "outputs", "build", "dist", "node_modules"}
@@ -50,6 +52,36 @@ def test_the_documentation_is_collected():
 
 
 @pytest.mark.parametrize("name", RUNNABLE)
+def test_markdown_python_blocks_run_in_process(name, tmp_path):
+    snippets = [s for s in DOCS[name] if s.run]
+    namespace = run_in_process(snippets, tmp_path)
+    assert namespace["__name__"] == "__main__" and len(namespace) > 2
+
+
+@pytest.mark.parametrize("snippet", ALONE, ids=[s.where for s in ALONE])
+def test_block_runs_alone_in_process(snippet, tmp_path):
+    """A README block in a namespace of its own, with no earlier block run: its imports and objects are its own."""
+    run_in_process([snippet], tmp_path)
+
+
+def test_a_failing_block_in_process_is_reported_with_its_file_and_line_and_leaves_no_trace(tmp_path):
+    import torch
+
+    from dat_hf.relational_biases import RELATIONAL_BIASES
+
+    snippets = extract_snippets("```python\nimport os, torch\nfrom dat_hf.relational_biases import RELATIONAL_BIASES\n"
+                                "torch.manual_seed(7)\nos.environ['DAT_HF_SNIPPET'] = '1'\nRELATIONAL_BIASES['x'] = 1\n"
+                                "value = 41\n```\ntext\n```python\nassert value == 42, value\n```\n", "guide.md")
+    cwd, biases, before = os.getcwd(), dict(RELATIONAL_BIASES), torch.random.get_rng_state()
+    with pytest.raises(AssertionError, match=r"(?s)snippet at guide.md:11 failed.*File \"guide.md\", line 11.*41"):
+        run_in_process(snippets, tmp_path / "work")
+    assert os.getcwd() == cwd and dict(RELATIONAL_BIASES) == biases and "DAT_HF_SNIPPET" not in os.environ
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert (tmp_path / "work").is_dir()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", RUNNABLE)
 def test_markdown_python_blocks_run(name, tmp_path):
     snippets = [s for s in DOCS[name] if s.run]
     proc = run_snippets(snippets, tmp_path, offline_env(str(REPO_ROOT)))
@@ -57,6 +89,7 @@ def test_markdown_python_blocks_run(name, tmp_path):
     assert proc.stdout.count("@@ running ") == len(snippets)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("snippet", ALONE, ids=[s.where for s in ALONE])
 def test_block_runs_alone(snippet, tmp_path):
     """A README block in a fresh interpreter, with no earlier block run: its imports and objects are its own."""
@@ -80,6 +113,7 @@ def test_extract_snippets_reads_fences_lines_and_no_run():
         extract_snippets("x\n\n```python\nprint(1)\n", "t.md")
 
 
+@pytest.mark.integration
 def test_a_failing_block_is_reported_with_its_file_and_line(tmp_path):
     snippets = extract_snippets("```python\nvalue = 41\n```\ntext\n```python\nassert value == 42, value\n```\n",
                                 "guide.md")

@@ -21,6 +21,8 @@ import dat_hf
 from dat_hf import DATForCausalLM
 from dat_hf.export import DATExportableModuleForDecoderOnlyLM
 
+pytestmark = pytest.mark.xdist_group("export")  # (one worker: the module-scoped fixtures built once)
+
 ATOL = 1e-4
 
 

@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM
 
 from dat_hf import DATForCausalLM
 
+pytestmark = pytest.mark.xdist_group("fsdp")  # (one worker: the module-scoped fixtures built once)
+
 WORKER = REPO_ROOT / "tests" / "workers" / "fsdp_train.py"
 ACCELERATE_CONFIG = REPO_ROOT / "configs" / "accelerate" / "fsdp.yaml"
 STEPS, SAVE_EVERY, PER_RANK_BATCH = 8, 4, 4
@@ -78,6 +80,7 @@ def runs(tmp_path_factory):
     return {"dir": tmp, "fsdp": fsdp, "resumed": resumed, "single": single}
 
 
+@pytest.mark.integration
 def test_fsdp2_shards_every_dat_block(runs):
     ranks = runs["fsdp"]
     for r, rec in enumerate(ranks):
@@ -96,6 +99,7 @@ def test_fsdp2_shards_every_dat_block(runs):
     assert "model.embed_tokens.weight" in ranks[0]["shards"]
 
 
+@pytest.mark.integration
 def test_fsdp2_losses_equal_one_process_with_the_same_global_batch(runs):
     fsdp, single = runs["fsdp"][0], runs["single"]
     assert single["trainer"].args.world_size == 1
@@ -121,6 +125,7 @@ def test_fsdp2_losses_equal_one_process_with_the_same_global_batch(runs):
           f"{max((w - single_weights[n]).abs().max().item() for n, w in fsdp_weights.items()):.1e}")
 
 
+@pytest.mark.integration
 def test_sharded_checkpoint_resumes_like_the_uninterrupted_run(runs):
     out = runs["dir"] / "fsdp"
     for step in (SAVE_EVERY, STEPS):
@@ -142,6 +147,7 @@ def test_sharded_checkpoint_resumes_like_the_uninterrupted_run(runs):
         assert torch.equal(weight, resumed_weights[name]), name
 
 
+@pytest.mark.integration
 def test_final_model_is_a_full_loadable_dat_model(runs):
     out = runs["dir"] / "fsdp"
     files = {p.name for p in out.iterdir()}
@@ -164,6 +170,49 @@ def test_final_model_is_a_full_loadable_dat_model(runs):
 SAVE_WORKER = REPO_ROOT / "tests" / "workers" / "fsdp_save.py"
 
 
+def test_fsdp2_sharded_by_hand_in_one_process_saves_the_plain_folder(tmp_path):
+    """The in-process check of the 2-process tests below: `fully_shard` on each DAT block and the root over a
+    1-rank gloo group in this process (the model's parameters become DTensors, its class FSDP's), one SGD step, then
+    `save_pretrained`: the folder is the one the unsharded model trained the same step writes (same files, same
+    weights), and it loads back as a plain `DATForCausalLM`."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DATForCausalLM(tiny_config())
+        plain = copy.deepcopy(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert type(model).__name__ == "FSDPDATForCausalLM"
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        batch = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+        for trained in (model, plain):
+            trained(input_ids=batch, labels=batch).loss.backward()
+            torch.optim.SGD(trained.parameters(), lr=0.1).step()
+        model.save_pretrained(tmp_path / "sharded")
+    finally:
+        dist.destroy_process_group()
+    plain.save_pretrained(tmp_path / "plain")
+    files = {name: sorted(p.name for p in (tmp_path / name).iterdir()) for name in ("sharded", "plain")}
+    assert files["sharded"] == files["plain"]
+    config = json.loads((tmp_path / "sharded" / "config.json").read_text())
+    assert config["architectures"] == ["DATForCausalLM"]
+    weights, expected = (load_file(tmp_path / name / "model.safetensors") for name in ("sharded", "plain"))
+    assert weights.keys() == expected.keys()
+    for name, weight in weights.items():
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-6, msg=name)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")
+    assert type(loaded) is DATForCausalLM and loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+@pytest.mark.integration
 def test_save_pretrained_of_a_model_sharded_by_hand(tmp_path):
     """`fully_shard` applied by hand (each DAT block, then the root) outside Trainer, one SGD step, then
     `model.save_pretrained` called on every rank: the folder is the one the unsharded model writes (full weights, its

@@ -42,6 +42,7 @@ def make_wheel(folder: Path, name: str, version: str) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_the_dry_run_writes_every_figure_and_the_table(tmp_path):
     out, wheels = tmp_path / "out", tmp_path / "wheels"
     wheels.mkdir()

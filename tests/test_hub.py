@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,12 @@ from transformers import (
 
 import dat_hf
 from conftest import tiny_config
+from remote_code import without_dat_hf
 from dat_hf import (DATConfig, DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForSequenceClassification, DATForTokenClassification, DATModel, DATSeq2SeqConfig,
                     DATVisionConfig)
 
+pytestmark = pytest.mark.xdist_group("hub")  # (one worker: the module-scoped remote-code runs once)
 PACKAGE_DIR = Path(dat_hf.__file__).parent
 REPO_ROOT = PACKAGE_DIR.parent
 AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
@@ -262,10 +263,17 @@ def test_text_generation_pipeline(lm_folder):
 
 # ---- remote code in a process without dat_hf -------------------------------------------------------------------
 
-CHILD = r'''
+# the fresh interpreter's start: `import dat_hf` must fail, and the checkout is not on the path
+CHILD_START = r'''
 import sys
 sys.modules["dat_hf"] = None  # `import dat_hf` must fail: everything comes from the saved folder's code
-import json, os
+from pathlib import Path
+assert not any(p and Path(p).resolve() == Path(REPO_ROOT).resolve() for p in sys.path), sys.path
+work = Path(sys.argv[1])
+'''
+# what runs there, or in this process `without_dat_hf` (with `work` given)
+CHILD = r'''
+import json, os, sys
 from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
@@ -277,11 +285,9 @@ try:
 except ImportError:
     pass
 else:
-    raise SystemExit("dat_hf is importable in the child")
-assert not any(p and Path(p).resolve() == Path(REPO_ROOT).resolve() for p in sys.path), sys.path
+    raise SystemExit("dat_hf is importable")
 
-work = Path(sys.argv[1])
-folder = work / "model"
+folder = work / f"model-{TAG}"  # (the folders' names are their code's module names: one per run)
 inputs = load_file(work / "inputs.safetensors")
 results, report = {}, {}
 with torch.no_grad():
@@ -297,48 +303,53 @@ with torch.no_grad():
     clf = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True, num_labels=2)
     report["clf_class"] = type(clf).__name__
     # the bidirectional family (its own config and modeling files)
-    tagger = AutoModelForTokenClassification.from_pretrained(work / "encoder", trust_remote_code=True).eval()
+    tagger = AutoModelForTokenClassification.from_pretrained(work / f"encoder-{TAG}", trust_remote_code=True).eval()
     report["tagger_class"] = type(tagger).__module__ + "." + type(tagger).__name__
     results["tags"] = tagger(inputs["input_ids"]).logits
 
     # saved again by the remote code: Transformers' own save_pretrained (dat_hf's crash-safe saving is not copied)
-    model.save_pretrained(work / "resaved")
-    report["resaved_files"] = sorted(os.listdir(work / "resaved"))
-    results["resaved_logits"] = AutoModelForCausalLM.from_pretrained(work / "resaved", trust_remote_code=True)(
+    model.save_pretrained(work / f"resaved-{TAG}")
+    report["resaved_files"] = sorted(os.listdir(work / f"resaved-{TAG}"))
+    results["resaved_logits"] = AutoModelForCausalLM.from_pretrained(work / f"resaved-{TAG}", trust_remote_code=True)(
         inputs["input_ids"]).logits
 
-    generator = pipeline("text-generation", model=str(work / "lm"), trust_remote_code=True, device="cpu")
+    generator = pipeline("text-generation", model=str(work / f"lm-{TAG}"), trust_remote_code=True, device="cpu")
     report["pipeline_model_class"] = type(generator.model).__module__ + "." + type(generator.model).__name__
     report["pipeline_text"] = generator(PROMPT, max_new_tokens=6, do_sample=False)[0]["generated_text"]
-report["modules"] = sorted(name for name in sys.modules if name.startswith("transformers_modules."))
+report["modules"] = sorted(name for name in sys.modules if name.startswith("transformers_modules.") and TAG in name)
 save_file({k: v.contiguous() for k, v in results.items()}, str(work / "results.safetensors"))
 (work / "report.json").write_text(json.dumps(report))
 '''
 
 
-@pytest.fixture(scope="module")
-def remote_run(tmp_path_factory, lm_folder):
-    """Save a model, run the child once (cwd outside the repo, no PYTHONPATH, dat_hf blocked), collect its results."""
-    work = tmp_path_factory.mktemp("remote")
+@pytest.fixture(scope="module", params=["in-process", pytest.param("fresh-interpreter", marks=pytest.mark.integration)])
+def remote_run(request, tmp_path_factory, lm_folder):
+    """Save a model, run the child's code once, collect its results: in this process `without_dat_hf`, or in a
+    fresh interpreter (cwd outside the repo, no PYTHONPATH, dat_hf blocked)."""
+    work = tmp_path_factory.mktemp(f"remote-{request.param}")  # (a folder name of its own: the modules' name)
     model = make_model(symbol_retrieval="positional", num_relational_key_value_heads=1)
-    model.save_pretrained(work / "model")
+    tag = f"{os.getpid()}_{request.param.replace('-', '_')}"
+    model.save_pretrained(work / f"model-{tag}")
     torch.manual_seed(0)
     tagger = DATForTokenClassification(DATEncoderConfig(
         vocab_size=97, hidden_size=32, num_hidden_layers=2, num_sensory_heads=2, num_relational_heads=2,
         intermediate_size=64, num_symbols=8, symbolic_attention_heads=2, num_labels=3, initializer_range=0.1)).eval()
-    tagger.save_pretrained(work / "encoder")
+    tagger.save_pretrained(work / f"encoder-{tag}")
     ids = input_ids(2, 6)
     save_file({"input_ids": ids}, str(work / "inputs.safetensors"))
-    os.symlink(lm_folder, work / "lm")
-    script = work / "child.py"
-    script.write_text(f"REPO_ROOT = {str(REPO_ROOT)!r}\nPROMPT = {PROMPT!r}\n" + textwrap.dedent(CHILD))
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
-    env.update(HF_HOME=str(work / "hf_home"), HF_MODULES_CACHE=str(work / "hf_modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(script), str(work)], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    os.symlink(lm_folder, work / f"lm-{tag}")
+    if request.param == "in-process":
+        with without_dat_hf():
+            exec(compile(CHILD, "CHILD", "exec"), {"__name__": "child", "work": work, "PROMPT": PROMPT, "TAG": tag})
+    else:
+        script = work / "child.py"
+        script.write_text(f"REPO_ROOT = {str(REPO_ROOT)!r}\nPROMPT = {PROMPT!r}\nTAG = {tag!r}\n" + CHILD_START + CHILD)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
+        env.update(HF_HOME=str(work / "hf_home"), HF_MODULES_CACHE=str(work / "hf_modules"), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        proc = subprocess.run([sys.executable, str(script), str(work)], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
     with torch.no_grad():
         expected = {"logits": model(ids).logits, "hidden": model.model(ids).last_hidden_state,
                     "generated": model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),

@@ -9,14 +9,12 @@ import ast
 import json
 import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import WHERE, tiny_config
+from remote_code import run_without_dat_hf
 from safetensors.torch import load_file, save_file
 from test_seq2seq import seq2seq_config
 from test_vision import vision_config
@@ -384,7 +382,8 @@ save_file(outputs, str(work / "outputs.safetensors"))
 
 
 @torch.no_grad()
-def test_remote_code_runs_unchecked_with_the_same_outputs(models, tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_remote_code_runs_unchecked_with_the_same_outputs(models, tmp_path, where):
     """A saved folder's remote code holds no input checks (input_validation.py is not copied); loaded in a process
     without dat_hf it runs every family with the same logits as dat_hf's classes, and takes a bad input unchecked,
     as Transformers' own models do. In this process (dat_hf imported) the same input is refused."""
@@ -396,14 +395,10 @@ def test_remote_code_runs_unchecked_with_the_same_outputs(models, tmp_path):
         copied = {path.name for path in (tmp_path / family).glob("*.py")}
         assert "kernel_hooks.py" in copied and "input_validation.py" not in copied, copied
     save_file(inputs, str(tmp_path / "inputs.safetensors"))
-    script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(REMOTE_CHILD))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
     env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    run_without_dat_hf(where, REMOTE_CHILD, [tmp_path], cwd=tmp_path, env=env)
     report, outputs = json.loads((tmp_path / "report.json").read_text()), load_file(tmp_path / "outputs.safetensors")
     assert all(module.startswith("transformers_modules.") for module in report["classes"]), report["classes"]
     assert "kernel_hooks" in report["modules"] and "input_validation" not in report["modules"], report["modules"]

@@ -15,6 +15,7 @@ the machine's built kernels (built once); the slow test kills a real build, and 
 """
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -25,9 +26,11 @@ import subprocess
 import sys
 import textwrap
 import time
+import unittest.mock
 from pathlib import Path
 
 import pytest
+from conftest import WHERE
 
 from dat_hf.kernels import cpu_build
 
@@ -80,6 +83,7 @@ def wait_until_building(process, cache, seconds=60):
     raise AssertionError("the build never started")
 
 
+@pytest.mark.integration
 @needs_cxx
 def test_killed_build_then_a_new_process_builds_within_a_bound(probe):
     first = start_probe(probe, CXX=probe["hung"])
@@ -106,6 +110,7 @@ def test_killed_build_then_a_new_process_builds_within_a_bound(probe):
     assert "RESULT 42 built=False" in out and "dat_hf:" not in err
 
 
+@pytest.mark.integration
 @needs_cxx
 def test_a_live_builder_that_takes_too_long_ends_the_wait_with_its_name(probe):
     first = start_probe(probe, CXX=probe["hung"])
@@ -173,6 +178,7 @@ def read_only_runner():
     return None
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(read_only_runner() is None, reason="running as root without setpriv: no read-only folder")
 def test_read_only_cache_falls_back_with_one_warning(tmp_path):
     cache = tmp_path / "cache"
@@ -207,6 +213,7 @@ def test_cache_key_holds_the_instruction_set(tmp_path, monkeypatch):
     assert cpu_build.build_name().startswith("dat_hf_cpu_")
 
 
+@pytest.mark.integration
 @needs_cxx
 def test_build_ahead_then_a_fresh_process_neither_builds_nor_waits():
     env = {**os.environ, "DAT_HF_CPU_KERNEL": "1"}
@@ -238,11 +245,9 @@ def test_build_ahead_then_a_fresh_process_neither_builds_nor_waits():
     assert fields["build"] == cpu_build.build_name()
 
 
-def test_status_of_an_empty_cache(tmp_path):
-    env = {**os.environ, "DAT_HF_KERNEL_CACHE": str(tmp_path)}
-    status = subprocess.run([sys.executable, "-m", "dat_hf.kernels", "status"], capture_output=True, text=True,
-                            env=env, cwd=ROOT, timeout=300)
-    fields = dict(line.split(None, 1) for line in status.stdout.splitlines() if line.strip())
+@pytest.mark.parametrize("where", WHERE)
+def test_status_of_an_empty_cache(tmp_path, where):
+    status, fields = run_kernels_cli("status", tmp_path, where)
     assert status.returncode == 0, status.stderr
     assert fields["cache"] == str(tmp_path) and fields["built"] == "None"
     assert list(tmp_path.iterdir()) == []  # status writes nothing
@@ -312,8 +317,11 @@ FAILED_CHECK = {"truncated": "its size is", "zero-filled": "its sha256 differs",
 
 
 @needs_cxx
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("kind", ["truncated", "zero-filled", "foreign", "truncated-unrecorded"])
-def test_a_damaged_library_is_moved_aside_and_rebuilt(probe, foreign_library, kind):
+def test_a_damaged_library_is_moved_aside_and_rebuilt(probe, foreign_library, kind, where):
+    """The rebuild `ensure_built` does on a damaged library: here (it never loads the library itself), and in a child
+    that then loads and calls the rebuilt library."""
     build = dict(name="probe", sources=[probe["source"]], flags=["-O0", "-fPIC"], root=probe["cache"],
                  check=cpu_build.LIBRARY_CHECK)
     lines = []
@@ -321,11 +329,15 @@ def test_a_damaged_library_is_moved_aside_and_rebuilt(probe, foreign_library, ki
     assert built and len(lines) == 1
     damage(library, kind, foreign_library)
 
-    rebuild = start_probe(probe)  # a child, which loads the library: a SIGBUS would show here, not kill pytest
-    out, err = rebuild.communicate(timeout=120)
-    assert rebuild.returncode == 0 and "RESULT 42 built=True" in out, (out, err)
-    lines = [line for line in err.splitlines() if "dat_hf" in line]
-    assert len(lines) == 1, err
+    if where == "in-process":
+        lines = []
+        assert cpu_build.ensure_built(**build, announce=lines.append) == (library, True)
+    else:
+        rebuild = start_probe(probe)  # a child, which loads the library: a SIGBUS would show here, not kill pytest
+        out, err = rebuild.communicate(timeout=120)
+        assert rebuild.returncode == 0 and "RESULT 42 built=True" in out, (out, err)
+        lines = [line for line in err.splitlines() if "dat_hf" in line]
+    assert len(lines) == 1, lines
     assert re.search(rf"^dat_hf: {re.escape(str(library))} fails its check \({FAILED_CHECK[kind]}", lines[0]), lines
     aside = list(Path(probe["cache"]).glob(".probe.corrupt-*"))
     assert len(aside) == 1 and f"moved it aside to {aside[0]}; rebuilding" in lines[0]
@@ -377,14 +389,26 @@ def run_forward(cache, **env):
     return forward[0][1], forward[0][2] == "True" and float(forward[0][3]) < 1e-4, result.stderr
 
 
-def run_kernels_cli(command, cache, **env):
-    result = subprocess.run([sys.executable, "-m", "dat_hf.kernels", command], capture_output=True, text=True,
-                            cwd=ROOT, env={**os.environ, "DAT_HF_KERNEL_CACHE": str(cache), **env}, timeout=600)
+def run_kernels_cli(command, cache, where="fresh-interpreter", **env):
+    """`python -m dat_hf.kernels COMMAND` with the kernel cache `cache`: in a fresh interpreter, or its `main` in this
+    process (`where="in-process"`). -> (a CompletedProcess, the printed `name value` fields)."""
+    env = {"DAT_HF_KERNEL_CACHE": str(cache), **env}
+    if where == "in-process":
+        from dat_hf.kernels.__main__ import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with unittest.mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            returncode = main([command])
+        result = subprocess.CompletedProcess([command], returncode, out.getvalue(), err.getvalue())
+    else:
+        result = subprocess.run([sys.executable, "-m", "dat_hf.kernels", command], capture_output=True, text=True,
+                                cwd=ROOT, env={**os.environ, **env}, timeout=600)
     assert "Traceback" not in result.stderr and result.returncode in (0, 1), result
     fields = dict(line.split(None, 1) for line in result.stdout.splitlines() if line.strip())
     return result, fields
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["truncated", "foreign-unrecorded"])
 def test_a_damaged_kernel_library_gives_a_working_forward(copied_build, foreign_library, kind):
     """Without a compiler to rebuild it (a rebuild: the probe's test above, the slow test below), the PyTorch backends
@@ -426,15 +450,16 @@ def test_status_tells_the_state_of_the_cache(copied_build, foreign_library, kind
     assert before == {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
 
 
-def test_status_and_build_commands_on_a_truncated_library(copied_build):
+@pytest.mark.parametrize("where", WHERE)
+def test_status_and_build_commands_on_a_truncated_library(copied_build, where):
     cache = copied_build.parents[1]
     size = copied_build.stat().st_size
     os.truncate(copied_build, size // 2)
-    result, fields = run_kernels_cli("status", cache)
+    result, fields = run_kernels_cli("status", cache, where)
     assert result.returncode == 0 and fields["built"] == "None"
     assert fields["check"] == f"corrupt: its size is {size // 2} bytes where build.json records {size}{NEXT}"
 
-    result, _ = run_kernels_cli("build", cache, CXX="/nonexistent/c++")
+    result, _ = run_kernels_cli("build", cache, where, CXX="/nonexistent/c++")
     assert result.returncode == 1
     assert result.stderr.strip() == (f"dat_hf: the CPU kernels could not be built: {copied_build} fails its check "
                                      f"({fields['check'][len('corrupt: '):-len(NEXT)]}), and no C++ compiler found "
@@ -473,6 +498,7 @@ def processes_working_in(folder) -> dict:
     return found
 
 
+@pytest.mark.integration
 @needs_cxx
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_builder_leaves_no_compiler_running(tmp_path):

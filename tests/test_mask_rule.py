@@ -283,6 +283,7 @@ def test_plan_trims_an_empty_static_cache(backend):
 
 
 # ---- triton under its interpreter ----------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_triton_backend_under_the_interpreter():
     """The `triton` cases above, in a child pytest with TRITON_INTERPRET=1 (set before `dat_hf` is imported: Triton
     picks its interpreter when a kernel is decorated): all of them pass, none skipped."""

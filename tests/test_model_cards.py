@@ -1,4 +1,5 @@
-"""The usage snippets of the model cards work as written, in a fresh process, offline, with no interactive prompt:
+"""The usage snippets of the model cards work as written, offline, with no interactive prompt (in this process in the
+default suite, `snippets.run_in_process` and `remote_code.without_dat_hf`; in a fresh process in the integration run):
 - where `import dat_hf` works, every snippet runs (the one that imports dat_hf uses its classes, no remote code);
 - where `import dat_hf` fails (and the checkout is not on the path), every snippet without `import dat_hf` runs on
   the model folder's own code, which needs `trust_remote_code=True` on each loading call.
@@ -10,8 +11,9 @@ card. stdin is closed, so a `trust_remote_code` prompt fails the test instead of
 """
 
 import pytest
-from lm_helpers import REPO_ROOT, import_script, save_untrained_lm
-from snippets import extract_snippets, failure_message, offline_env, run_snippets
+from lm_helpers import REPO_ROOT, import_script
+from remote_code import without_dat_hf
+from snippets import extract_snippets, failure_message, offline_env, run_in_process, run_snippets
 
 PROMPT_TEXT = "Do you wish to run the custom code?"  # Transformers' trust_remote_code prompt
 BLOCK_DAT_HF = 'import sys\nsys.modules["dat_hf"] = None  # `import dat_hf` fails in this process\n'
@@ -25,9 +27,9 @@ RENDERERS = {"dat_causal_lm.md": render_causal_lm_card}  # card template -> (mod
 
 
 @pytest.fixture(scope="module")
-def lm_folder(tmp_path_factory):
+def lm_folder(untrained_lm_folder):
     """A tiny DAT language model saved with its tokenizer, as the training script leaves it (untrained)."""
-    return save_untrained_lm(tmp_path_factory.mktemp("card_model"))
+    return untrained_lm_folder
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +56,13 @@ def check_block(code: str):
     return extract_snippets(f"```python\n{code}\n```\n", "(check)")
 
 
-def test_card_snippets_run_with_dat_hf(card_snippets, tmp_path):
-    checks = check_block('assert type(generator.model).__module__ == "dat_hf.modeling_dat", type(generator.model)')
-    proc = run_snippets(card_snippets + checks, tmp_path / "work",
-                        offline_env(str(REPO_ROOT), HF_MODULES_CACHE=str(tmp_path / "modules")))
-    assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
-    assert PROMPT_TEXT not in proc.stdout + proc.stderr
-    assert proc.stdout.count("ROMEO:") >= 3  # the generated texts start with the prompt
+WITH_DAT_HF_CHECK = 'assert type(generator.model).__module__ == "dat_hf.modeling_dat", type(generator.model)'
 
 
-def test_card_snippets_run_without_dat_hf(card_snippets, lm_folder, tmp_path):
-    """The last check shows that the test can fail: without `trust_remote_code=True` the same loading call stops at
-    the prompt (stdin is closed)."""
-    snippets = [s for s in card_snippets if "import dat_hf" not in s.code]
-    checks = check_block(
+def without_dat_hf_checks(lm_folder):
+    """After the card's blocks where dat_hf cannot be imported: the classes came from the folder, and (showing that
+    the test can fail) without `trust_remote_code=True` the same loading call is refused."""
+    return check_block(
         'try:\n    import dat_hf\nexcept ImportError:\n    pass\nelse:\n    raise AssertionError("dat_hf imported")\n'
         'assert "transformers_modules" in type(model).__module__, type(model)\n'
         'assert "transformers_modules" in type(generator.model).__module__, type(generator.model)\n'
@@ -77,6 +72,34 @@ def test_card_snippets_run_without_dat_hf(card_snippets, lm_folder, tmp_path):
         '    assert "trust_remote_code" in str(error), error\n'
         'else:\n'
         '    raise AssertionError("loaded remote code without trust_remote_code=True")')
+
+
+def test_card_snippets_run_with_dat_hf_in_process(card_snippets, tmp_path, capsys):
+    run_in_process(card_snippets + check_block(WITH_DAT_HF_CHECK), tmp_path / "work")
+    assert capsys.readouterr().out.count("ROMEO:") >= 3  # the generated texts start with the prompt
+
+
+def test_card_snippets_run_without_dat_hf_in_process(card_snippets, lm_folder, tmp_path):
+    snippets = [s for s in card_snippets if "import dat_hf" not in s.code]
+    run_in_process(snippets + without_dat_hf_checks(lm_folder), tmp_path / "work", within=without_dat_hf)
+
+
+@pytest.mark.integration
+def test_card_snippets_run_with_dat_hf(card_snippets, tmp_path):
+    checks = check_block(WITH_DAT_HF_CHECK)
+    proc = run_snippets(card_snippets + checks, tmp_path / "work",
+                        offline_env(str(REPO_ROOT), HF_MODULES_CACHE=str(tmp_path / "modules")))
+    assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
+    assert PROMPT_TEXT not in proc.stdout + proc.stderr
+    assert proc.stdout.count("ROMEO:") >= 3  # the generated texts start with the prompt
+
+
+@pytest.mark.integration
+def test_card_snippets_run_without_dat_hf(card_snippets, lm_folder, tmp_path):
+    """The last check shows that the test can fail: without `trust_remote_code=True` the same loading call stops at
+    the prompt (stdin is closed)."""
+    snippets = [s for s in card_snippets if "import dat_hf" not in s.code]
+    checks = without_dat_hf_checks(lm_folder)
     proc = run_snippets(snippets + checks, tmp_path / "work",
                         offline_env(None, HF_MODULES_CACHE=str(tmp_path / "modules")), prelude=BLOCK_DAT_HF)
     assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from lm_helpers import REPO_ROOT, import_script
+from conftest import WHERE
+from remote_code import run_without_dat_hf
 
 from dat_hf import (
     DATConfig,
@@ -85,6 +87,7 @@ def test_lint_fails_on_other_rules_and_on_files_without_the_mit_header(tmp_path)
                                                                  ("TRF045", str(legacy))]
 
 
+@pytest.mark.integration
 def test_import_prints_no_docstring_errors():
     """`auto_docstring` prints `[ERROR] ... not documented` for every undocumented argument when the modules load."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
@@ -130,20 +133,22 @@ def test_generated_docstrings():
             assert generic not in doc
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("name", ["DATConfig", "DATModel", "DATForCausalLM"])
-def test_docstrings_of_remote_code_copies(name, tmp_path):
+def test_docstrings_of_remote_code_copies(name, where, tmp_path, capfd):
     """The remote-code copies (a package of the copied files, no dat_hf) generate the same docstrings, silently."""
-    package = tmp_path / "remote_dat"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
+    package = f"remote_dat_{name.lower()}"  # (a package name of its own: in this process, modules stay imported)
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
     for path in lint.remote_code_files():
-        (package / path.name).write_text(path.read_text())
+        (tmp_path / package / path.name).write_text(path.read_text())
     module = "configuration_dat" if name.endswith("Config") else "modeling_dat"
-    code = f"import remote_dat.{module} as m; print(m.{name}.__doc__, end='')"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import {package}.{module} as m; "
+            f"sys.path.remove({str(tmp_path)!r}); print(m.{name}.__doc__, end='')")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    capfd.readouterr()
+    stdout = run_without_dat_hf(where, code, [], cwd=tmp_path, env=env)
+    assert capfd.readouterr().err == ""
     import dat_hf
 
-    assert result.stdout == getattr(dat_hf, name).__doc__
+    assert stdout == getattr(dat_hf, name).__doc__

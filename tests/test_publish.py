@@ -3,12 +3,13 @@ against a recording stand-in for the Hub API (no network), send every file a Hub
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 from huggingface_hub.hf_api import CommitInfo, RepoUrl
-from lm_helpers import REPO_ROOT, import_script, run_group, save_untrained_lm, subprocess_env
+from lm_helpers import REPO_ROOT, import_script, run_group, subprocess_env
 
 from dat_hf import DATForCausalLM
 
@@ -21,9 +22,10 @@ REPO_ID = "someone/dat-tiny-shakespeare"
 
 
 @pytest.fixture(scope="module")
-def trained_folder(tmp_path_factory):
+def trained_folder(tmp_path_factory, untrained_lm_folder):
     """A folder as scripts/train_causal_lm.py leaves it (weights untrained: only the files matter here)."""
-    folder = save_untrained_lm(tmp_path_factory.mktemp("trained"))
+    folder = tmp_path_factory.mktemp("trained") / "model"
+    shutil.copytree(untrained_lm_folder, folder)
     (folder / "eval_results.json").write_text(json.dumps({"eval_loss": 3.0, "eval_perplexity": 20.0855,
                                                           "eval_num_tokens": 4096}))
     (folder / "train_results.json").write_text(json.dumps({"train_loss": 3.5}))
@@ -99,6 +101,7 @@ def test_rendered_card_is_valid_hub_metadata(trained_folder, tmp_path):
     assert ModelCard(str(loaded)).data.to_dict() == data.to_dict()
 
 
+@pytest.mark.integration
 def test_publish_single_commit_sends_every_file(trained_folder, monkeypatch, tmp_path):
     publish = import_script("publish")
     hub = HubRecorder().install(monkeypatch)
@@ -182,6 +185,7 @@ def test_missing_token_is_checked_first(trained_folder, tmp_path, monkeypatch, c
     assert len(err) == 1 and "no Hugging Face token" in err[0] and "--dry_run" in err[0]
 
 
+@pytest.mark.integration
 def test_no_network_is_one_line(trained_folder, tmp_path):
     """A real HfApi with the Hub unreachable (offline mode here; a DNS failure takes the same path): one line on
     stderr, exit status 1, no traceback."""

@@ -445,6 +445,7 @@ def test_explicit_choice_and_its_errors():
         tiny_config(relational_attn_implementation=3)
 
 
+@pytest.mark.integration
 def test_without_the_cpu_kernel_the_pytorch_backends_run():
     """`DAT_HF_CPU_KERNEL=0` (or no compiler): nothing is compiled; training runs `sdpa`, decoding `eager`."""
     code = """

@@ -18,6 +18,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from dat_hf import DATForCausalLM
 from dat_hf.training import AtomicCheckpointTrainer, parameters_digest
 
+pytestmark = pytest.mark.xdist_group("resume")  # (one worker: the module-scoped fixtures built once)
+
 KILLED = REPO_ROOT / "tests" / "workers" / "killed_train.py"
 STEPS, SAVE_EVERY = 12, 4
 
@@ -73,6 +75,7 @@ def test_checkpoints_are_safetensors(uninterrupted):
     assert not (out / ".staging").exists()
 
 
+@pytest.mark.integration
 def test_killed_mid_training_resumes_to_the_same_weights(uninterrupted, tmp_path, capsys):
     _, digest, losses = uninterrupted
     out = tmp_path / "run"
@@ -87,6 +90,7 @@ def test_killed_mid_training_resumes_to_the_same_weights(uninterrupted, tmp_path
     assert not [w for w in warnings if "missing keys" in w], warnings  # lm_head.weight is tied: loaded exactly
 
 
+@pytest.mark.integration
 def test_killed_while_saving_leaves_no_partial_checkpoint(uninterrupted, tmp_path):
     _, digest, losses = uninterrupted
     out = tmp_path / "run"

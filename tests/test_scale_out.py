@@ -1,6 +1,6 @@
-"""Scale-out training on CPU (slow, on demand: `pytest -m slow tests/test_scale_out.py`): FSDP2 x tensor parallelism
-on a 2 x 2 mesh (4 processes) and DeepSpeed ZeRO-3 through `Trainer` (2 processes), each against the same saved model
-trained in one process.
+"""Scale-out training on CPU (integration: `bash scripts/test.sh -m integration tests/test_scale_out.py`): FSDP2 x
+tensor parallelism on a 2 x 2 mesh (4 processes) and DeepSpeed ZeRO-3 through `Trainer` (2 processes), each against
+the same saved model trained in one process.
 
 FSDP2 x TP (`tests/workers/fsdp_tp_train.py`): `AutoModelForCausalLM.from_pretrained(folder,
 distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`, Transformers 5.24 applying the model's TP plan on the
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dat_hf import DATConfig, DATForCausalLM
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration  # (processes: CI runs them; `bash scripts/test.sh -m integration`)
 
 WORKERS = REPO_ROOT / "tests" / "workers"
 SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_symbols=8, symbolic_attention_heads=2,

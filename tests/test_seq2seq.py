@@ -4,7 +4,6 @@ offline math data / tokenizer / exact-match metric. Tiny configs, fast."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -12,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import enable_checkpointing
+from conftest import WHERE, enable_checkpointing
+from remote_code import run_without_dat_hf
 
 import dat_hf
 from dat_hf import DATForSeq2SeqLM, DATSeq2SeqConfig, DATSeq2SeqModel
@@ -431,7 +431,8 @@ def test_pipeline_in_process_from_saved_folder(saved_folder):
         pipe(123)
 
 
-def test_pipeline_with_remote_code_in_subprocess(saved_folder, tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_pipeline_with_remote_code_without_dat_hf(saved_folder, tmp_path, where):
     """Without dat_hf (import blocked, cwd outside the repository): the model code and the pipeline class both come
     from the saved folder."""
     from transformers import pipeline
@@ -441,8 +442,6 @@ def test_pipeline_with_remote_code_in_subprocess(saved_folder, tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         sys.modules["dat_hf"] = None  # `import dat_hf` fails
-        # the checkout itself off the path (not its .venv/, where the packages may live)
-        sys.path = [p for p in sys.path if p.rstrip("/") != {str(REPO)!r}]
         from transformers import pipeline
         pipe = pipeline(model={str(saved_folder)!r}, trust_remote_code=True)
         out = pipe({INPUTS!r}, **{GEN!r}, return_tensors=True)
@@ -451,10 +450,7 @@ def test_pipeline_with_remote_code_in_subprocess(saved_folder, tmp_path):
     """)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH="",
                HF_MODULES_CACHE=str(tmp_path / "modules"))
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(run_without_dat_hf(where, script, [], cwd=tmp_path, env=env).strip().splitlines()[-1])
     assert report["pipeline"].startswith("transformers_modules.") and report["pipeline"].endswith("pipeline_text2text")
     assert report["model"].startswith("transformers_modules.") and report["model"].endswith("modeling_dat_seq2seq")
     assert report["task"] == TASK

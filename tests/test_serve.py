@@ -1,6 +1,7 @@
 """`python -m dat_hf.serve FOLDER` (dat_hf/serve.py): Transformers' OpenAI-compatible server on a saved DAT folder,
-in a subprocess on 127.0.0.1 (a free port), with and without `--continuous-batching`, with dat_hf installed and from
-the folder's remote code (`--trust-remote-code`, the file run alone in a process where `import dat_hf` fails).
+on 127.0.0.1 (a free port), with and without `--continuous-batching`: in this process on a thread (the default suite),
+and (integration) in a subprocess, with dat_hf installed and from the folder's remote code (`--trust-remote-code`, the
+file run alone in a process where `import dat_hf` fails).
 
 Each server answers six concurrent completions and a streamed one, and chat completions (streamed and not), with the
 local greedy text (`generate(do_sample=False)`, decoded as the server decodes: special tokens skipped); refuses a
@@ -29,6 +30,7 @@ from snippets import offline_env
 from dat_hf import DATForCausalLM
 from dat_hf.serve import _servable
 
+pytestmark = pytest.mark.xdist_group("serve")  # (one worker: each server started once)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVE_PY = REPO_ROOT / "dat_hf" / "serve.py"
 NEW_TOKENS = 5
@@ -40,7 +42,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 # a small paged cache: sized from the machine's memory by default, which takes seconds to allocate on CPU
 CB_FLAGS = ["--continuous-batching", "--cb-num-blocks", "32", "--cb-block-size", "16", "--cb-max-batch-tokens", "128"]
-VARIANTS = {  # (remote code, flags, the signal that stops it)
+VARIANTS = {  # (remote code, flags, the signal that stops it; None: in this process, on a thread)
+    "in-process": (False, [], None),
+    "in-process-continuous-batching": (False, CB_FLAGS, None),
     "installed": (False, [], signal.SIGINT),
     "installed-continuous-batching": (False, CB_FLAGS, signal.SIGTERM),
     "remote-code": (True, ["--trust-remote-code"], signal.SIGTERM),
@@ -113,32 +117,44 @@ class Server:
     def __init__(self, folder: str, remote: bool, flags: list[str], workdir: Path):
         port = free_port()
         self.model = folder  # the name requests give: the folder, as the server was given it
-        args = [folder, "--host", "127.0.0.1", "--port", str(port), *flags]
+        self.log = workdir / "server.log"
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        self.start(folder, remote, ["--host", "127.0.0.1", "--port", str(port), *flags], workdir)
+        self.wait_until_ready()
+
+    def start(self, folder, remote, flags, workdir):
+        args = [folder, *flags]
         if remote:  # no PYTHONPATH, cwd outside the checkout, `python -I` (no script or cwd path entry)
             command = [sys.executable, "-I", "-c", WITHOUT_DAT_HF.format(repo=str(REPO_ROOT)), str(SERVE_PY), *args]
             env = offline_env(None, HF_HOME=str(workdir / "hf_home"), HF_MODULES_CACHE=str(workdir / "hf_modules"))
         else:
             command = [sys.executable, "-m", "dat_hf.serve", *args]
             env = offline_env(str(REPO_ROOT))
-        self.log = workdir / "server.log"
         with open(self.log, "w") as log:
             # (SIGINT as a terminal sends it, whatever this process inherited: a suite started as a background job
             # of a non-interactive shell ignores SIGINT, and so would the server, exiting 0 after its shutdown)
             self.process = subprocess.Popen(command, cwd=REPO_ROOT if not remote else workdir, env=env,
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             preexec_fn=default_sigint)
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        self.wait_until_ready()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def exited(self) -> int | None:
+        return self.process.poll()
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
     def wait_until_ready(self, timeout: float = 180):
         start = time.monotonic()
         while time.monotonic() - start < timeout:
-            if self.process.poll() is not None:
-                pytest.fail(f"the server exited ({self.process.returncode}) before answering:\n{self.output()[-5000:]}")
+            if self.exited() is not None:
+                pytest.fail(f"the server exited ({self.exited()}) before answering:\n{self.output()[-5000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
@@ -159,19 +175,54 @@ class Server:
         return status, time.monotonic() - start
 
 
+class InProcessServer(Server):
+    """The same server in this process: Transformers' `Serve` on a thread (its `non_blocking` mode), with what
+    `python -m dat_hf.serve` adds (`register_architectures`, `hook_server`); the server's log lines in `log`. The
+    HTTP answers without an interpreter start (the default suite); signals and remote code need the subprocesses."""
+
+    def start(self, folder, remote, flags, workdir):
+        import logging
+
+        from transformers.cli.serve import Serve
+
+        from dat_hf.serve import hook_server, register_architectures
+
+        assert not remote
+        register_architectures()
+        hook_server()
+        self.handler = logging.FileHandler(self.log)
+        logging.getLogger("transformers").addHandler(self.handler)
+        kwargs, words = {}, iter(flags)  # the command line's flags as `Serve`'s arguments
+        for flag in words:
+            name = flag.removeprefix("--").replace("-", "_")
+            kwargs[name] = True if flag == "--continuous-batching" else next(words)
+        kwargs = {name: int(value) if isinstance(value, str) and value.isdigit() else value
+                  for name, value in kwargs.items()}
+        self.serve = Serve(folder, non_blocking=True, **kwargs)
+
+    def exited(self) -> int | None:
+        return None if self.serve._thread.is_alive() else 0
+
+    def close(self):
+        import logging
+
+        self.serve.kill_server()
+        logging.getLogger("transformers").removeHandler(self.handler)
+        self.handler.close()
+
 def default_sigint():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+@pytest.fixture(scope="module", params=[name if VARIANTS[name][2] is None else
+                                        pytest.param(name, marks=pytest.mark.integration) for name in VARIANTS])
 def server(request, served, tmp_path_factory):
-    remote, flags, _ = VARIANTS[request.param]
-    server = Server(served["folder"], remote, flags, tmp_path_factory.mktemp(request.param))
+    remote, flags, sig = VARIANTS[request.param]
+    server = (Server if sig is not None else InProcessServer)(served["folder"], remote, flags,
+                                                             tmp_path_factory.mktemp(request.param))
     server.variant = request.param
     yield server
-    if server.process.poll() is None:
-        server.process.kill()
-        server.process.wait()
+    server.close()
 
 
 def complete(server, prompt: str, stream: bool = False, model: str | None = None) -> tuple[str, str]:
@@ -228,8 +279,11 @@ def test_bad_requests_get_400_and_the_server_serves_on(server, served):
     assert response.choices[0].finish_reason == "length"
 
 
+@pytest.mark.integration
 def test_shutdown_on_a_signal(server):
     sig = VARIANTS[server.variant][2]
+    if sig is None:
+        pytest.skip("a server in this process is stopped by the test, not by a signal")
     status, seconds = server.stop(sig)
     output = server.output()
     assert "Traceback" not in output, output[-5000:]

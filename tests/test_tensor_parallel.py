@@ -102,6 +102,7 @@ def refused_variants() -> set:
     return set()
 
 
+@pytest.mark.integration
 def test_two_processes_match_one(tmp_path):
     """`tp_plan="auto"` over 2 ranks against one process, for every variant; users' plans that leave attention, or
     the relational heads only, replicated; a head count 2 ranks cannot split is refused by name; the default model in

@@ -46,6 +46,7 @@ def triton_kernel():
     return triton_relational
 
 
+@pytest.mark.integration
 def test_kernel_checks_under_the_interpreter(triton_kernel):
     env = dict(os.environ, TRITON_INTERPRET="1", DAT_HF_CPU_KERNEL="0")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -88,6 +89,7 @@ def test_registration_and_what_it_declines(triton_kernel):
         assert supports(declined_call) is not None, what
 
 
+@pytest.mark.integration
 def test_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
             "import dat_hf\n"
@@ -115,6 +117,7 @@ class _Launches:
         return launch
 
 
+@pytest.mark.integration
 def test_autotuning_can_be_fixed_to_one_config(triton_kernel):
     """`DAT_HF_TRITON_AUTOTUNE=0` leaves each kernel one config (the smallest), so checks over many shapes compile
     each shape once instead of once per config; by default every config is tried."""

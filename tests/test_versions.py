@@ -133,6 +133,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_no_error_or_deprecation_at_import_forward_generate_evaluate_save(tmp_path):
     run = subprocess.run([sys.executable, "-c", SCRIPT.format(folder=tmp_path)], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path)

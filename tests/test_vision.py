@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import WHERE
+from remote_code import run_without_dat_hf
 
 import dat_hf
 from dat_hf import DATForImageClassification, DATImageProcessor, DATVisionConfig, DATVisionModel
@@ -448,17 +450,16 @@ print(json.dumps({"model": type(classifier.model).__module__, "processor": type(
 """
 
 
-def test_pipeline_remote_code_without_dat_hf(tmp_path):
+@pytest.mark.parametrize("where", WHERE)
+def test_pipeline_remote_code_without_dat_hf(tmp_path, where):
     from transformers import pipeline
 
-    folder = tmp_path / "model"
+    folder = tmp_path / "vision-model"
     _save_classifier(folder)
     expected = pipeline("image-classification", model=str(folder))(_digit_image(), top_k=3)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", REMOTE_SCRIPT, str(folder)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    remote = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = run_without_dat_hf(where, REMOTE_SCRIPT, [folder], cwd=tmp_path, env=env)
+    remote = json.loads(stdout.strip().splitlines()[-1])
     assert remote["model"].startswith("transformers_modules.") and "dat_hf" not in remote["model"]
     assert remote["processor"].startswith("transformers_modules.")
     assert [r["label"] for r in remote["results"]] == [r["label"] for r in expected]
@@ -472,6 +473,7 @@ def _run_script(args, timeout=600):
                           timeout=timeout)
 
 
+@pytest.mark.integration
 def test_training_script_on_an_imagefolder(tmp_path):
     from PIL import Image
 
