@@ -7,8 +7,9 @@ reference, bf16 within stated tolerances, and cached generation against recomput
   it (`fuzz seed: N`), and in any failure;
   `pytest tests/test_fuzz_attention.py --fuzz-seed N` replays it;
 - `test_fuzz_many` (`-m slow`): `--fuzz-cases` random cases (default 2,000), every failing seed listed;
-- regression cases: what the fuzzer found, pinned as explicit cases (a change to the generator keeps them), and the
-  FlexAttention configurations of issue 37 with FlexAttention compiled, in both orders in one process.
+- regression cases: what the fuzzer found, pinned as explicit cases (a change to the generator keeps them), and (in
+  the integration run: minutes of Inductor builds) the FlexAttention configurations of issue 37 with FlexAttention
+  compiled, in both orders in one process.
 """
 
 import dataclasses
@@ -129,6 +130,8 @@ SEQUENCE = [(SPARSE, 1, 64, ()), (SPARSE, 1, 100, ()), (SPARSE, 2, 100, ((1, 7),
             (WINDOW, 2, 40, ((1, 7),))]
 
 
+@pytest.mark.integration  # (Inductor builds a C++ kernel per shape: 2 minutes cold; compiled FlexAttention against
+# eager is held in the default suite by test_static_cache.py and test_relational_backends.py)
 def test_issue_flex_attention_configs_equal_eager_in_any_order():
     """Issue 37: every head on FlexAttention (compiled), a window of 5 over 40 tokens and a sparse graph with left
     padding, agree with eager within 1e-5 whatever ran before in the process. A second shape used to make Dynamo

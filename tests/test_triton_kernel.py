@@ -157,6 +157,7 @@ def _compile_for_hopper(kernel, arguments, config):
                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
+@pytest.mark.integration  # (Triton's ptxas for every kernel: 40 s cold; CI's floor leg runs it with the image's Triton)
 def test_kernels_compile_for_hopper_at_the_343m_shapes(triton_kernel, monkeypatch):
     """The forward and both backward kernels compile for sm_90 (PTX and SASS, with Triton's own ptxas) with the
     arguments a bfloat16 training step of DAT-343M's relational heads launches them with (8 heads over 4 kv heads,
