@@ -3,8 +3,8 @@ seed, one per run however many workers (pytest-xdist) share it; the guard that k
 the `integration` marker; `shared_once`, for what the workers of a run build once between them.
 
 Markers (setup.cfg): `slow` (quality runs, on demand), `integration` (tests that start processes: torchrun, servers,
-whole scripts, fresh interpreters, kernel kills and rebuilds; CI runs them once, `bash scripts/test.sh -m integration`
-runs them for anyone). The default suite runs neither.
+whole scripts, fresh interpreters, kernel kills and rebuilds, wheel installs, compiler toolchains for minutes; CI runs
+them once, `bash scripts/test.sh -m integration` runs them for anyone). The default suite runs neither.
 """
 
 import contextlib
@@ -92,6 +92,10 @@ def pytest_addoption(parser):
                           "seed per run, printed in the header and at the end")
     parser.addoption("--fuzz-cases", type=int, default=2000,
                      help="random cases of the slow fuzz test (`-m slow`)")
+    parser.addoption("--ci-leg", choices=["floor", "newest", "integration"], default=None,
+                     help="run what tests/ci_legs.txt gives this CI leg (.ci/run): `floor`, `newest` (each module's "
+                          "default tests where it lists the leg, its integration tests where it lists "
+                          "`<leg>-integration`), `integration` (the integration tests of the modules that list it)")
 
 
 def pytest_configure(config):
@@ -156,12 +160,44 @@ def fuzz_seed(request):
 
 
 
+# ---- CI's legs (tests/ci_legs.txt) -----------------------------------------------------------------------------------
+CI_LEGS_FILE = Path(__file__).with_name("ci_legs.txt")
+
+
+def ci_legs() -> dict[str, list[str]]:
+    """{test module's file name: the legs tests/ci_legs.txt lists for it}."""
+    rows = {}
+    for line in CI_LEGS_FILE.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            module, *legs = line.split()
+            assert module not in rows, f"{module} is listed twice in {CI_LEGS_FILE.name}"
+            rows[module] = legs
+    return rows
+
+
+def in_ci_leg(item, leg: str, legs: dict) -> bool:
+    """Whether `item` runs in the CI leg `leg` (`--ci-leg`): see tests/ci_legs.txt."""
+    listed = legs.get(item.path.name, [])
+    integration = item.get_closest_marker("integration") is not None
+    if leg == "integration":
+        return integration and "integration" in listed
+    return f"{leg}-integration" in listed if integration else leg in listed
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """(an xdist worker, `--dist loadgroup`) the `xdist_group` of each item, as the `@group` suffix of its node id by
-    which the controller groups them, where pytest-xdist's own suffix did not take: on pytest 9.2, whose node ids are
-    structured, xdist 3.8 still writes the former `_nodeid` field and the groups are silently lost (pytest-xdist
-    issue 1386); once xdist sets it, the id already ends with it and nothing is done here."""
+    """With `--ci-leg`, deselect what that leg of CI does not run. Then (an xdist worker, `--dist loadgroup`) the
+    `xdist_group` of each item, as the `@group` suffix of its node id by which the controller groups them, where
+    pytest-xdist's own suffix did not take: on pytest 9.2, whose node ids are structured, xdist 3.8 still writes the
+    former `_nodeid` field and the groups are silently lost (pytest-xdist issue 1386); once xdist sets it, the id
+    already ends with it and nothing is done here."""
+    leg = config.getoption("--ci-leg")
+    if leg is not None:
+        legs = ci_legs()
+        deselected = [item for item in items if not in_ci_leg(item, leg, legs)]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if in_ci_leg(item, leg, legs)]
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
