@@ -194,10 +194,9 @@ def pytest_collection_modifyitems(config, items):
     leg = config.getoption("--ci-leg")
     if leg is not None:
         legs = ci_legs()
-        deselected = [item for item in items if not in_ci_leg(item, leg, legs)]
-        if deselected:
-            config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if in_ci_leg(item, leg, legs)]
+        selected = {item: in_ci_leg(item, leg, legs) for item in items}
+        config.hook.pytest_deselected(items=[item for item, keep in selected.items() if not keep])
+        items[:] = [item for item, keep in selected.items() if keep]
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:

@@ -10,7 +10,7 @@ import io
 import os
 import subprocess
 import sys
-
+from pathlib import Path
 
 
 def _from_dat_hf(obj) -> bool:
@@ -59,25 +59,26 @@ def without_dat_hf():
 def run_without_dat_hf(where: str, code: str, args, cwd, env: dict | None = None, timeout: float = 300) -> str:
     """Run the script `code` (it reads `sys.argv[1:]`, the str of each of `args`, and prints its results) where dat_hf
     cannot be imported: in this process (`where="in-process"`: `without_dat_hf`, cwd `cwd`, stdout captured) or in a
-    fresh interpreter (`"fresh-interpreter"`: `env`, default this one's without PYTHONPATH). -> its stdout; a
-    failure raises AssertionError with its output (in-process: the exception itself)."""
+    fresh interpreter that blocks `import dat_hf` (`"fresh-interpreter"`: `env`, default this one's without
+    PYTHONPATH). -> its stdout; a failure raises AssertionError with its output (in-process: the exception itself)."""
     argv = [str(arg) for arg in args]
     if where == "in-process":
-        saved_argv, saved_cwd, out = sys.argv, os.getcwd(), io.StringIO()
+        from snippets import isolated
+
+        saved_argv, out = sys.argv, io.StringIO()
         sys.argv = ["-c", *argv]
-        os.chdir(cwd)
         try:
-            with without_dat_hf(), contextlib.redirect_stdout(out):
+            with isolated(Path(cwd)), without_dat_hf(), contextlib.redirect_stdout(out):
                 exec(compile(code, "<script>", "exec"), {"__name__": "__main__"})
         finally:
             sys.argv = saved_argv
-            os.chdir(saved_cwd)
         return out.getvalue()
     assert where == "fresh-interpreter", where
     if env is None:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
-    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    block = 'import sys; sys.modules["dat_hf"] = None  # (`import dat_hf` fails, installed or not)\n'
+    proc = subprocess.run([sys.executable, "-c", block + code, *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     sys.stderr.write(proc.stderr)  # (as the in-process run's would be: a test may capture it)
     return proc.stdout

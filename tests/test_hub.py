@@ -1,11 +1,10 @@
 """Hub format acceptance tests: save/load round trips, safetensors only, auto_map, remote code without dat_hf
-(in a subprocess where `import dat_hf` fails), and the text-generation pipeline from a saved folder."""
+(in this process with dat_hf hidden, and in a subprocess where `import dat_hf` fails), and the text-generation
+pipeline from a saved folder."""
 
 import ast
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ from transformers import (
 )
 
 import dat_hf
-from conftest import tiny_config
-from remote_code import without_dat_hf
+from conftest import WHERE, tiny_config
+from remote_code import run_without_dat_hf
 from dat_hf import (DATConfig, DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForSequenceClassification, DATForTokenClassification, DATModel, DATSeq2SeqConfig,
                     DATVisionConfig)
@@ -263,18 +262,17 @@ def test_text_generation_pipeline(lm_folder):
 
 # ---- remote code in a process without dat_hf -------------------------------------------------------------------
 
-# the fresh interpreter's start: `import dat_hf` must fail, and the checkout is not on the path
-CHILD_START = r'''
+# the fresh interpreter's start: the checkout is not on the path
+CHILD_START = f'''
 import sys
-sys.modules["dat_hf"] = None  # `import dat_hf` must fail: everything comes from the saved folder's code
 from pathlib import Path
-assert not any(p and Path(p).resolve() == Path(REPO_ROOT).resolve() for p in sys.path), sys.path
-work = Path(sys.argv[1])
+assert not any(p and Path(p).resolve() == Path({str(REPO_ROOT)!r}) for p in sys.path), sys.path
 '''
-# what runs there, or in this process `without_dat_hf` (with `work` given)
+# what runs there, or in this process: `run_without_dat_hf`, with argv the work folder, the prompt, the folders' tag
 CHILD = r'''
 import json, os, sys
 from pathlib import Path
+work, PROMPT, TAG = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,
@@ -322,7 +320,7 @@ save_file({k: v.contiguous() for k, v in results.items()}, str(work / "results.s
 '''
 
 
-@pytest.fixture(scope="module", params=["in-process", pytest.param("fresh-interpreter", marks=pytest.mark.integration)])
+@pytest.fixture(scope="module", params=WHERE)
 def remote_run(request, tmp_path_factory, lm_folder):
     """Save a model, run the child's code once, collect its results: in this process `without_dat_hf`, or in a
     fresh interpreter (cwd outside the repo, no PYTHONPATH, dat_hf blocked)."""
@@ -338,18 +336,11 @@ def remote_run(request, tmp_path_factory, lm_folder):
     ids = input_ids(2, 6)
     save_file({"input_ids": ids}, str(work / "inputs.safetensors"))
     os.symlink(lm_folder, work / f"lm-{tag}")
-    if request.param == "in-process":
-        with without_dat_hf():
-            exec(compile(CHILD, "CHILD", "exec"), {"__name__": "child", "work": work, "PROMPT": PROMPT, "TAG": tag})
-    else:
-        script = work / "child.py"
-        script.write_text(f"REPO_ROOT = {str(REPO_ROOT)!r}\nPROMPT = {PROMPT!r}\nTAG = {tag!r}\n" + CHILD_START + CHILD)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
-        env.update(HF_HOME=str(work / "hf_home"), HF_MODULES_CACHE=str(work / "hf_modules"), HF_HUB_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        proc = subprocess.run([sys.executable, str(script), str(work)], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME")}
+    env.update(HF_HOME=str(work / "hf_home"), HF_MODULES_CACHE=str(work / "hf_modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    code = (CHILD_START if request.param == "fresh-interpreter" else "") + CHILD
+    run_without_dat_hf(request.param, code, [work, PROMPT, tag], cwd=work, env=env)
     with torch.no_grad():
         expected = {"logits": model(ids).logits, "hidden": model.model(ids).last_hidden_state,
                     "generated": model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
