@@ -266,7 +266,7 @@ def test_text_generation_pipeline(lm_folder):
 CHILD_START = f'''
 import sys
 from pathlib import Path
-assert not any(p and Path(p).resolve() == Path({str(REPO_ROOT)!r}) for p in sys.path), sys.path
+assert not any(p and Path(p).resolve() == Path({str(REPO_ROOT.resolve())!r}) for p in sys.path), sys.path
 '''
 # what runs there, or in this process: `run_without_dat_hf`, with argv the work folder, the prompt, the folders' tag
 CHILD = r'''
