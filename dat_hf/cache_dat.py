@@ -171,7 +171,7 @@ class PagedCache:
         self.position_ids = position_ids.reshape(-1)  # [M]
         # decoding steps: relational heads attend one receiver per row (`per_request`), except relative symbols
         self.decoding = arguments.get("max_length_q") == 1 and config.symbol_retrieval != "position_relative"
-        self._relative_index = {}
+        self._relative_index, self._key_positions = {}, {}
 
     def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
         """Keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` (a `PackedCache`'s order) -> as `packed.views`
@@ -209,19 +209,24 @@ class PagedCache:
                 views.append(base.as_strided((1, *size), (n * row, *stride), at + offset))
         return views[:len(packed.key_heads)], views[len(packed.key_heads):]
 
+    def key_positions(self, layer_type: str) -> torch.Tensor:
+        """The positions of the N keys the layers of `layer_type` read: each request's keys, in order, the last at
+        its last query's position -> long `[N]`."""
+        if layer_type not in self._key_positions:
+            starts = self.arguments["cu_seq_lens_k"]
+            starts = (starts[layer_type] if isinstance(starts, dict) else starts).long()
+            ends_q = self.arguments["cu_seq_lens_q"][1:].long() - 1
+            lengths = starts[1:] - starts[:-1]
+            request = torch.repeat_interleave(torch.arange(len(lengths), device=starts.device), lengths)
+            column = torch.arange(int(starts[-1]), device=starts.device)
+            self._key_positions[layer_type] = self.position_ids[ends_q][request] - (starts[1:][request] - 1 - column)
+        return self._key_positions[layer_type]
+
     def relative_position_index(self, layer_idx: int, clip: int) -> torch.Tensor:
         """Relative-symbol rows per (receiver, key) pair: long `[M, N]`, `clip(key pos - receiver pos, -K, K) + K`."""
         layer_type = self.cache.layer_to_allocator[layer_idx].layer_type
         if layer_type not in self._relative_index:
-            starts = self.arguments["cu_seq_lens_k"]
-            starts = starts[layer_type] if isinstance(starts, dict) else starts
-            ends_q = self.arguments["cu_seq_lens_q"][1:].long() - 1
-            starts = starts.long()
-            lengths = starts[1:] - starts[:-1]
-            request = torch.repeat_interleave(torch.arange(len(lengths), device=starts.device), lengths)
-            column = torch.arange(int(starts[-1]), device=starts.device)
-            key_positions = self.position_ids[ends_q][request] - (starts[1:][request] - 1 - column)
-            offsets = key_positions[None, :] - self.position_ids[:, None]
+            offsets = self.key_positions(layer_type)[None, :] - self.position_ids[:, None]
             self._relative_index[layer_type] = offsets.clamp(-clip, clip) + clip
         return self._relative_index[layer_type]
 

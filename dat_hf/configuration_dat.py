@@ -17,7 +17,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils import auto_docstring
 
-from .relational_biases import check_bias_field, layer_type, paged_biases
+from .relational_biases import check_bias_field, layer_type, paged_biases, paging_limit
 from .tensor_parallel_dat import GATHER_STYLE, HEADS_STYLE
 
 SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
@@ -374,26 +374,23 @@ class DualAttentionConfig(PreTrainedConfig):
         self.sliding_window_size = None if value is None else value - 1
 
     def continuous_batching_limits(self) -> list[str]:
-        """Why Transformers' continuous batching (packed batches over a paged cache, one mask per cache layer type:
-        causal or sliding window) cannot serve this configuration: one line per field that stops it (and for an
-        installed Transformers whose paged cache is not the one DAT's layers use); empty when it can. The one list
-        of what it refuses (`generate_batch` raises it; `python -m dat_hf.serve` serves such models by `generate`)."""
+        """Why Transformers' continuous batching (packed batches over a paged cache; each bias's graph built over
+        the packed tokens' positions, `masking_dat.paged_masks`) cannot serve this configuration: one line per field
+        that stops it (and for an installed Transformers whose paged cache is not the one DAT's layers use); empty
+        when it can. The one list of what it refuses (`generate_batch` raises it; `python -m dat_hf.serve` serves
+        such models by `generate`)."""
         from .transformers_compat import paged_cache_limits
 
         release = paged_cache_limits()
         if self.is_encoder_decoder:
             return [f"{type(self).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"
                     ] + ([release] if release else [])
-        limits, served = [], paged_biases()
+        limits = []
         for name, bias in (("relational_bias", self.relational_bias), ("relational_heads_bias",
                                                                         self.relational_heads_bias)):
             for value in dict.fromkeys(bias if isinstance(bias, list) else [bias]):
-                if value is not None and value not in served:
-                    limits.append(f"`{name}`={value!r} (continuous batching serves {served})")
-        if not limits and any(layer_type(sensory) != layer_type(relational)
-                              for sensory, relational in self.layer_biases()):
-            limits.append("a layer whose sensory and relational heads have different biases, one of them a sliding "
-                          "window (`relational_heads_bias`): the manager builds one mask per layer")
+                if value is not None and (reason := paging_limit(value)) is not None:
+                    limits.append(f"`{name}`={value!r}: {reason} (continuous batching serves {paged_biases()})")
         if self.relational_attn_implementation == "flex_attention":
             limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "
                           "tensors; leave it unset or use 'sdpa'/'eager')")

@@ -12,13 +12,13 @@ import bisect
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
-from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
+from transformers.masking_utils import (and_masks, create_bidirectional_mask, create_bidirectional_sliding_window_mask,
                                         create_causal_mask, create_sliding_window_causal_mask,
                                         sliding_window_bidirectional_mask_function,
                                         sliding_window_causal_mask_function)
 
 from .cache_dat import ring_layer
-from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, relational_bias
+from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, mask_function_of, pair_mask, relational_bias
 from .transformers_compat import cache_kwargs
 
 
@@ -361,8 +361,8 @@ def build_attention_mask(
         if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
             dense, block = in_slots, None if block is None else in_slots
         return _with_row_validity(dense, is_causal=ordered, block_mask=block, receiver_blocks=receiver_blocks)
-    and_fn = None if entry.mask_function is None else entry.mask_function(
-        config, inputs_embeds.device, attention_mask=attention_mask, graph_adjacency=graph_adjacency)
+    and_fn = mask_function_of(entry, config, inputs_embeds.device, attention_mask=attention_mask,
+                              graph_adjacency=graph_adjacency)
     if ordered:
         masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                               **cache_kwargs(cache), position_ids=position_ids, and_mask_function=and_fn)
@@ -392,19 +392,42 @@ def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, At
                                      block_mask=masks[bias] if flex else None) for bias in dict.fromkeys(biases)}
 
 
-def paged_masks(attention_mask, biases) -> dict[str, AttentionMask]:
-    """Continuous batching's additive mask `[1, 1, M, N]` (or `{layer type: mask}`) -> `{bias: AttentionMask}`,
-    each bias taking its layer type's mask. Raises ValueError without a mask."""
+def paged_masks(attention_mask, config, cache) -> dict[str, AttentionMask]:
+    """Continuous batching's additive mask `[1, 1, M, N]` (or `{layer type: mask}`: causal order, or the window in
+    sliding layers, within each request) -> `{bias: AttentionMask}`: each bias's graph over the packed tokens'
+    positions (`PagedCache.position_ids`, `key_positions`) within its layers' mask: its mask function, a window in
+    full-attention layers. Raises ValueError without a mask."""
     if attention_mask is None:
         raise ValueError("Continuous batching gave no attention mask: DAT's heads run with 'sdpa' or 'eager' "
                          "(`attn_implementation`), for which Transformers' manager builds one.")
     masks = {}
-    for bias in dict.fromkeys(biases):
-        mask = attention_mask[relational_bias(bias).layer_type] if isinstance(attention_mask, dict) else attention_mask
-        # as bool; receiver blocks skip other requests' senders (not looked for under two blocks of receivers)
-        masks[bias] = _with_row_validity(mask if mask.dtype == torch.bool else mask == 0, is_causal=False,
-                                         receiver_blocks=mask.shape[-2] >= 2 * RECEIVER_BLOCK)
+    for pair, kind in zip(config.layer_biases(), config.layer_types):
+        for bias in pair:
+            if bias in masks:  # (a bias's layers are all of one type: `DATConfig.layer_types`)
+                continue
+            mask = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+            graph = _paged_graph(relational_bias(bias), kind, config, cache)
+            if graph is not None:
+                allowed = allowed & graph[None, None]
+            # receiver blocks skip other requests' senders (not looked for under two blocks of receivers)
+            masks[bias] = _with_row_validity(allowed, is_causal=False,
+                                             receiver_blocks=mask.shape[-2] >= 2 * RECEIVER_BLOCK)
     return masks
+
+
+def _paged_graph(entry, kind: str, config, cache) -> torch.Tensor | None:
+    """Bias `entry`'s graph beyond its layers' paged mask (which holds causal order, and the window in sliding
+    layers), over receivers at `cache.position_ids` and the keys of `kind` -> bool `[M, N]`, or None if none."""
+    functions = []
+    if entry.window and kind != "sliding_attention":  # (a window in full-attention layers)
+        functions.append(sliding_window_causal_mask_function(transformers_window(config.sliding_window_size, False)))
+    function = mask_function_of(entry, config, cache.position_ids.device)
+    if function is not None:
+        functions.append(function)
+    if not functions:
+        return None
+    return pair_mask(and_masks(*functions), cache.position_ids, cache.key_positions(kind))
 
 
 def prebuildable(mask: AttentionMask) -> torch.Tensor | None:

@@ -207,7 +207,7 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
     if isinstance(cache, PagedCache):
-        masks = paged_masks(attention_mask, biases)
+        masks = paged_masks(attention_mask, config, cache)
     elif isinstance(attention_mask, dict):
         masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
     else:

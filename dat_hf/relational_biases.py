@@ -9,6 +9,9 @@ Adding a bias is one entry:
     register_relational_bias(RelationalBias(
         "every_other", relations="tokens of the same parity", symmetry="translations by even offsets",
         ordered=False, mask_function=lambda config, device, **inputs: lambda b, h, q, kv: (q - kv) % 2 == 0))
+
+Every mask function is checked once it can be built (at registration, or for a config that sets its fields): it must
+give one bool per (receiver, sender) pair.
 """
 
 from dataclasses import dataclass
@@ -31,8 +34,8 @@ class RelationalBias:
     config_fields: the config fields that define the graph (at least one must be set).
     inputs: forward tensors the graph comes from (e.g. `graph_adjacency` `[b, n, n]`; refused with a KV cache).
     window: a sliding window of `sliding_window_size` tokens (two-sided unless ordered), not `mask_function`.
-    layer_type: Transformers' cache layer type for it (`sliding_attention`, `full_attention`); None: a full layer,
-        not servable by continuous batching.
+    layer_type: Transformers' cache layer type for it: `sliding_attention` (the cache keeps the last window of tokens:
+        window biases only) or `full_attention` (None too).
     mask_function: None (every pair) or `(config, device, attention_mask=None, graph_adjacency=None) -> mask_mod`,
         a Transformers mask function `(batch_idx, head_idx, q_idx, kv_idx) -> bool` (True = attend), intersected
         with the padding and, where ordered, the causal order.
@@ -54,12 +57,70 @@ class RelationalBias:
 RELATIONAL_BIASES: dict[str, RelationalBias] = {}
 
 
+CACHE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def register_relational_bias(bias: RelationalBias) -> RelationalBias:
-    """Add `bias` to the registry (ValueError if its name is taken)."""
+    """Add `bias` to the registry. ValueError naming the bias if its name is taken, its `layer_type` is not a cache
+    layer type its graph fits, or its mask function does not give one bool per pair (checked here unless it is
+    built from config fields or forward inputs: then for each config that selects it, `check_bias_field`)."""
     if bias.name in RELATIONAL_BIASES:
         raise ValueError(f"A relational bias named {bias.name!r} is already registered.")
+    if bias.layer_type not in (None, *CACHE_LAYER_TYPES):
+        raise ValueError(f"Relational bias {bias.name!r}: `layer_type` must be None or one of {CACHE_LAYER_TYPES}, "
+                         f"got {bias.layer_type!r}.")
+    if bias.layer_type == "sliding_attention" and not bias.window:
+        raise ValueError(f"Relational bias {bias.name!r}: `layer_type`='sliding_attention' keeps only the last "
+                         "`sliding_window` tokens in the cache, which only a window graph (`window=True`) fits.")
+    if bias.mask_function is not None and not callable(bias.mask_function):
+        raise ValueError(f"Relational bias {bias.name!r}: `mask_function` must be None or a callable "
+                         f"`(config, device, attention_mask=None, graph_adjacency=None) -> mask function`, got "
+                         f"{bias.mask_function!r}.")
+    if bias.mask_function is not None and not bias.config_fields and not bias.inputs:
+        from transformers import PreTrainedConfig
+
+        check_mask_function(bias, PreTrainedConfig())
     RELATIONAL_BIASES[bias.name] = bias
     return bias
+
+
+def mask_function_of(bias: RelationalBias, config, device, **inputs) -> Callable | None:
+    """Bias `bias`'s mask function `(batch_idx, head_idx, q_idx, kv_idx) -> bool` for `config` (None: every pair).
+    ValueError naming the bias if its `mask_function` does not return a callable."""
+    if bias.mask_function is None:
+        return None
+    function = bias.mask_function(config, device, **inputs)
+    if not callable(function):
+        raise ValueError(f"Relational bias {bias.name!r}: its `mask_function` returned {function!r}, not a mask "
+                         "function `(batch_idx, head_idx, q_idx, kv_idx) -> bool` (for every pair, register it with "
+                         "`mask_function=None`).")
+    return function
+
+
+def pair_mask(function: Callable, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+    """A mask function over receivers at `q_positions` `[m]` and senders at `kv_positions` `[n]` (batch and head 0),
+    evaluated per pair as Transformers' mask builders do (under `vmap`) -> `[m, n]`."""
+    zero = torch.zeros((), dtype=torch.long, device=q_positions.device)
+    over_senders = torch.vmap(lambda q, kv: function(zero, zero, q, kv), in_dims=(None, 0))
+    return torch.vmap(over_senders, in_dims=(0, None))(q_positions, kv_positions)
+
+
+def check_mask_function(bias: RelationalBias, config) -> None:
+    """ValueError naming `bias` unless its mask function, built for `config`, gives one bool per pair (on 3 x 3)."""
+    function = mask_function_of(bias, config, torch.device("cpu"))
+    if function is None:
+        return
+    positions = torch.arange(3)
+    try:
+        allowed = pair_mask(function, positions, positions)
+    except Exception as error:  # (vmap's message names what the function returned)
+        raise ValueError(f"Relational bias {bias.name!r}: its mask function fails on index tensors (it must give "
+                         f"one bool per (receiver, sender) pair): {type(error).__name__}: {error}") from error
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool or allowed.shape != (3, 3):
+        what = (f"{allowed.dtype} of shape {tuple(allowed.shape)}" if isinstance(allowed, torch.Tensor)
+                else type(allowed).__name__)
+        raise ValueError(f"Relational bias {bias.name!r}: its mask function gives {what} over 3 receivers and 3 "
+                         "senders, not one bool per pair.")
 
 
 def unregister_relational_bias(name: str) -> RelationalBias:
@@ -93,12 +154,23 @@ def inputs_of(names) -> set[str]:
 def layer_type(name: str) -> str | None:
     """The cache layer type of bias `name` (None if unregistered)."""
     bias = RELATIONAL_BIASES.get(name)
-    return None if bias is None else bias.layer_type
+    return None if bias is None else bias.layer_type or "full_attention"
+
+
+def paging_limit(name: str) -> str | None:
+    """Why continuous batching (packed requests, each bias's graph over their positions) cannot serve bias `name`;
+    None when it can."""
+    bias = relational_bias(name)
+    if bias.inputs:
+        return f"its graph comes with each input (`{bias.inputs[0]}`), which packed requests do not carry"
+    if not bias.decoder:
+        return "not a graph for decoders"
+    return None
 
 
 def paged_biases() -> list[str]:
-    """The biases continuous batching serves (those with a `layer_type`)."""
-    return [name for name, bias in RELATIONAL_BIASES.items() if bias.layer_type is not None]
+    """The biases continuous batching serves (`paging_limit`)."""
+    return [name for name in RELATIONAL_BIASES if not RELATIONAL_BIASES[name].cross and paging_limit(name) is None]
 
 
 def check_bias_field(config, field: str, value, num_layers: int, layers_field: str, decoder: bool,
@@ -122,6 +194,8 @@ def check_bias_field(config, field: str, value, num_layers: int, layers_field: s
         if bias.config_fields and all(getattr(config, item, None) is None for item in bias.config_fields):
             raise ValueError(f"`{field}`={name!r} needs " + " or ".join(f"`{item}`" for item in bias.config_fields)
                              + " to be set.")
+        if bias.config_fields and not bias.inputs and bias.mask_function is not None:
+            check_mask_function(bias, config)  # (registration checked the others)
 
 
 # ---- the mask functions of the built-in biases --------------------------------------------------------------------
@@ -198,6 +272,7 @@ register_relational_bias(RelationalBias(
     decoder=False, cross=True))
 
 
-__all__ = ["CROSS_ATTENTION_BIAS", "RELATIONAL_BIASES", "RelationalBias", "check_bias_field", "inputs_of",
-           "is_ordered", "layer_type", "paged_biases", "register_relational_bias", "relational_bias",
-           "self_attention_biases", "unregister_relational_bias"]
+__all__ = ["CACHE_LAYER_TYPES", "CROSS_ATTENTION_BIAS", "RELATIONAL_BIASES", "RelationalBias", "check_bias_field",
+           "check_mask_function", "inputs_of", "is_ordered", "layer_type", "mask_function_of", "paged_biases",
+           "pair_mask", "paging_limit", "register_relational_bias", "relational_bias", "self_attention_biases",
+           "unregister_relational_bias"]

@@ -15,12 +15,14 @@ import transformers
 from conftest import tiny_config
 from packaging.version import Version
 from test_cached_scores import DEPENDENCE, INIT, recomputed_logits
+from test_relational_biases import registered
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import dat_hf.kernels.cpu as kernel
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
 from dat_hf.cache_dat import PAGED_ARGUMENTS, paged_layout
+from dat_hf.relational_biases import RelationalBias
 from dat_hf.transformers_compat import PAGED_CACHE_UPDATE, paged_cache_limits
 
 PROMPT_LENGTHS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 77, 89, 100)
@@ -74,9 +76,14 @@ def assert_prefix_matters(model, prompt, tokens):
     return expected[0]
 
 
+GQA = dict(num_sensory_key_value_heads=1, num_relational_key_value_heads=1)
+# a bias registered at run time: receivers attend to the senders of their position's parity
+PARITY = RelationalBias("same_parity", relations="the tokens of the same parity", symmetry="even translations",
+                        ordered=False, layer_type="full_attention",
+                        mask_function=lambda config, device, **inputs: lambda b, h, q, kv: (q - kv) % 2 == 0)
 CASES = {
     "default": dict(),
-    "gqa": dict(num_sensory_key_value_heads=1, num_relational_key_value_heads=1),
+    "gqa": GQA,
     # every head on a window of 3 previous tokens: Transformers' sliding allocator (a ring of 4 tokens per request)
     "sliding-window": dict(relational_bias="sliding_window", sliding_window_size=3),
     # one full and one sliding layer: both allocators, a mask per layer type
@@ -84,13 +91,28 @@ CASES = {
     "position-relative-symbols": dict(symbol_retrieval="position_relative"),
     "positional-symbols": dict(symbol_retrieval="positional"),
     "shared-attention-params": dict(share_attention_params=True),
+    # every bias from its registry entry, for both head types, with GQA: the fixed sparse graph (global tokens), a bias
+    # registered at run time (`PARITY`), and layers whose two head types have different graphs (a window on one:
+    # full-attention layers, the window from the tokens' positions)
+    "sparse": dict(relational_bias="sparse", sparse_block_size=4, sparse_global_tokens=1),
+    "registered-relational-heads-gqa": dict(relational_heads_bias="same_parity", **GQA),
+    "registered-both-head-types": dict(relational_bias="same_parity"),
+    "registered-sensory-window-relational-gqa": dict(relational_bias="same_parity", **GQA,
+                                                     relational_heads_bias="sliding_window", sliding_window_size=3),
+    "window-relational-heads-gqa": dict(relational_heads_bias="sliding_window", sliding_window_size=3, **GQA),
+    "window-sensory-heads": dict(relational_bias="sliding_window", relational_heads_bias="causal",
+                                 sliding_window_size=3),
 }
 
 
 @pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_batch_equals_generate_alone(name):
-    model = model_of(**CASES[name])
+    with registered(PARITY):
+        generate_batch_equals_generate_alone(model_of(**CASES[name]))
+
+
+def generate_batch_equals_generate_alone(model):
     inputs = prompts()
     outputs = generate_batch(model, inputs, generation_config())
     assert [output.prompt_ids for output in outputs] == inputs
@@ -199,7 +221,8 @@ def test_packed_cache_fits_the_paged_pages():
     one pair of heads of padding: the widths the layers cache (`PackedCache`)."""
     for overrides in [{}, *CASES.values(), dict(num_sensory_heads=0), dict(num_relational_heads=0),
                       dict(num_relations=3, relation_dim=5)]:
-        model = model_of(**overrides)
+        with registered(PARITY):
+            model = model_of(**overrides)
         config, packed = model.config, model.model.layers[0].dual_attn.packed
         width = sum(packed.key_heads) * config.head_dim + sum(packed.value_widths)
         assert config.packed_cache_width == width, overrides
@@ -216,9 +239,8 @@ def test_packed_cache_fits_the_paged_pages():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (dict(relational_bias="sparse", sparse_block_size=4), "`relational_bias`='sparse'"),
-    (dict(relational_heads_bias="graph"), "`relational_heads_bias`='graph'"),
-    (dict(relational_heads_bias="sliding_window", sliding_window_size=3), "different biases"),
+    (dict(relational_heads_bias="graph"), "`relational_heads_bias`='graph': its graph comes with each input "
+                                          "(`graph_adjacency`)"),
     (dict(relational_attn_implementation="flex_attention"), "`relational_attn_implementation`='flex_attention'"),
 ])
 def test_unservable_configurations_are_refused_by_name(overrides, field):

@@ -885,6 +885,38 @@ def test_config_validation_reads_the_registry():
         masking_dat.build_attention_mask(TOY.name, make_config(encoder=True), torch.zeros(1, 3, 32), None)
 
 
+def test_broken_entries_are_refused_by_name_at_registration():
+    """An entry is checked when it is registered: a mask function that returns None (which would read as "every
+    pair"), one that gives no bool per pair, a cache layer type that is not one or that the graph does not fit. One
+    built from config fields is checked for each config that selects it. Nothing refused is registered."""
+    def entry(name, mask_function=every_other_token, **fields):
+        return RelationalBias(name, relations="r", symmetry="s", ordered=False, mask_function=mask_function, **fields)
+
+    refused = {
+        "returns_none": (entry("returns_none", lambda config, device, **inputs: None),
+                         r"its `mask_function` returned None, not a mask function"),
+        "gives_ints": (entry("gives_ints", lambda config, device, **inputs: lambda b, h, q, kv: q - kv),
+                       r"its mask function gives torch.int64 of shape \(3, 3\) over 3 receivers and 3 senders, not one "
+                       r"bool per pair"),
+        "gives_none": (entry("gives_none", lambda config, device, **inputs: lambda *indices: None),
+                       r"its mask function fails on index tensors"),
+        "not_callable": (entry("not_callable", "causal"), r"`mask_function` must be None or a callable"),
+        "unknown_layer": (entry("unknown_layer", layer_type="sliding"), r"`layer_type` must be None or one of"),
+        "window_cache": (entry("window_cache", layer_type="sliding_attention"),
+                         r"`layer_type`='sliding_attention' keeps only the last `sliding_window` tokens"),
+    }
+    for name, (bias, message) in refused.items():
+        with pytest.raises(ValueError, match=rf"Relational bias '{name}': {message}"):
+            register_relational_bias(bias)
+        assert name not in RELATIONAL_BIASES
+    from_field = entry("from_field", lambda config, device, **inputs: None if config.sparse_block_size > 2 else
+                       every_other_token(config, device), config_fields=("sparse_block_size",), decoder=False)
+    with registered(from_field):
+        assert make_config(encoder=True, relational_bias="from_field", sparse_block_size=2).layer_biases()
+        with pytest.raises(ValueError, match=r"Relational bias 'from_field': its `mask_function` returned None"):
+            make_config(encoder=True, relational_bias="from_field", sparse_block_size=3)
+
+
 @pytest.mark.parametrize("name", list(RELATIONAL_BIASES) + [TOY.name])
 def test_ordered_flag_agrees_with_the_built_masks(name):
     """Each entry's `ordered` <=> the mask built in an encoder is causal (no sender after its receiver), as

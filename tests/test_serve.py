@@ -297,6 +297,7 @@ def test_continuous_batching_falls_back_to_generate_where_it_cannot_serve_dat(ca
     without continuous batching), the server warning with the field; the server's own refusal stands."""
     choose = _servable(lambda state, model, modality: True)
     assert choose(None, SimpleNamespace(config=tiny_config()), None)
-    assert not choose(None, SimpleNamespace(config=tiny_config(relational_bias="sparse", sparse_block_size=4)), None)
-    assert "`relational_bias`='sparse'" in caplog.text
+    flex = tiny_config(relational_attn_implementation="flex_attention")
+    assert not choose(None, SimpleNamespace(config=flex), None)
+    assert "`relational_attn_implementation`='flex_attention'" in caplog.text
     assert not _servable(lambda state, model, modality: False)(None, SimpleNamespace(config=tiny_config()), None)
