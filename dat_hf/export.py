@@ -26,7 +26,9 @@ logits move as DAT's do). tests/test_export.py records both positions.
 
 While `torch.export` traces, DAT runs its PyTorch backends only (no compiled op of dat_hf's in the program). A plain
 `torch.export.export` / `torch.onnx.export(..., dynamo=True)` of a model without a cache keeps batch and length
-dynamic.
+dynamic, the length up to the longest sequence the model accepts where it has position tables (learned positions,
+positional symbols: `max_sequence_length`): `dynamic_length(model)` is that `Dim`; one that allows more is refused by
+`torch.export`, and the program refuses a longer input, naming the bound.
 """
 
 import torch
@@ -37,6 +39,33 @@ from transformers.integrations.executorch import (
 )
 
 from .cache_dat import DATStaticLayer
+from .input_validation import position_limits
+
+
+def _length_limit(model) -> tuple[str, int, str] | None:
+    """(config field, limit, what) of the smallest position table of a DAT text model (learned positions: its
+    `max_position_embeddings`; positional symbols: its `max_symbol_positions`), or None where it has none (RoPE and
+    symbolic attention, as the released LMs)."""
+    base = model.base_model
+    return min(position_limits(base.config, getattr(base, "symbol_retrievers", None)), key=lambda limit: limit[1],
+               default=None)
+
+
+def max_sequence_length(model) -> int | None:
+    """The longest sequence (cached and new tokens) a DAT text model accepts (its smallest position table), or None for
+    any (RoPE and symbolic attention, as the released LMs)."""
+    limit = _length_limit(model)
+    return None if limit is None else limit[1]
+
+
+def dynamic_length(model, name: str = "length", min: int = 1, max: int | None = None) -> torch.export.Dim:
+    """The `torch.export.Dim` of the sequence length (dim 1 of `input_ids` `[b, n]` and `attention_mask` `[b, n]`),
+    its `max` capped at `max_sequence_length(model)` (unbounded where the model has no position table and no `max` is
+    given): the exported program takes the lengths the eager model does."""
+    limit = max_sequence_length(model)
+    if limit is not None and (max is None or max > limit):
+        max = limit
+    return torch.export.Dim(name, min=min, max=max)
 
 
 def generate(exported_program: torch.export.ExportedProgram, input_ids: torch.LongTensor, max_new_tokens: int,
@@ -110,8 +139,14 @@ class DATExportableModuleWithStaticCache(TorchExportableModuleWithStaticCache):
         batch_size = batch_size or cache_config.get("batch_size")
         max_cache_len = max_cache_len or cache_config.get("max_cache_len")
         if batch_size is None or max_cache_len is None:
-            raise ValueError("`batch_size` and `max_cache_len` must be given (or set in `generation_config.cache_config`)"
-                             f"; got batch_size={batch_size}, max_cache_len={max_cache_len}.")
+            raise ValueError("`batch_size` and `max_cache_len` must be given (or set in "
+                             f"`generation_config.cache_config`); got batch_size={batch_size}, "
+                             f"max_cache_len={max_cache_len}.")
+        limit = _length_limit(model)
+        if limit is not None and max_cache_len > limit[1]:
+            field, size, what = limit
+            raise ValueError(f"max_cache_len={max_cache_len} needs more positions than the {what} hold: the cache "
+                             f"must stay within `{field}` = {size}.")
         device = device or cache_config.get("device", model.device)
         self.model = model
         self.static_cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
@@ -137,8 +172,10 @@ class DATExportableModuleForDecoderOnlyLM(TorchExportableModuleForDecoderOnlyLM)
     def __init__(self, model, batch_size: int | None = None, max_cache_len: int | None = None, device=None):
         torch.nn.Module.__init__(self)
         if not model.config.get_text_config().use_cache:
-            raise ValueError("The model must have caching enabled (`config.use_cache=True`) to be exported with a cache.")
+            raise ValueError("The model must have caching enabled (`config.use_cache=True`) to be exported with a "
+                             "cache.")
         self.model = DATExportableModuleWithStaticCache(model, batch_size, max_cache_len, device)
 
 
-__all__ = ["DATExportableModuleForDecoderOnlyLM", "DATExportableModuleWithStaticCache", "generate"]
+__all__ = ["DATExportableModuleForDecoderOnlyLM", "DATExportableModuleWithStaticCache", "dynamic_length", "generate",
+           "max_sequence_length"]

@@ -23,8 +23,8 @@ decoder):
   `ValueError`: no family returns empty outputs.
 
 Checks of values (ranges, 0/1 masks) read a few numbers on the host; they are skipped while `torch.compile` or
-`torch.export` traces (shape and dtype checks are not). `DAT_HF_VALIDATE_INPUTS=0` in the environment (read at import) or
-`input_validation.ENABLED = False` turns every check off, for measuring their cost.
+`torch.export` traces (shape and dtype checks are not). `DAT_HF_VALIDATE_INPUTS=0` in the environment (read at import)
+or `input_validation.ENABLED = False` turns every check off, for measuring their cost.
 """
 
 import os
@@ -123,7 +123,8 @@ def check_padding_mask(name: str, mask, shape: tuple, dims: str):
 def check_position_ids(name: str, position_ids, batch_size: int, seq_len: int):
     """Given positions: integers `[batch or 1, seq_len]` (or `[seq_len]`)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.long, torch.int):
-        received = f"dtype {position_ids.dtype}" if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        received = (f"dtype {position_ids.dtype}" if isinstance(position_ids, torch.Tensor)
+                    else type(position_ids).__name__)
         _fail(name, "an integer tensor (torch.long or torch.int)", received)
     rows = position_ids.shape[0] if position_ids.dim() == 2 else 1
     if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len or rows not in (1, batch_size):
@@ -147,7 +148,19 @@ def position_limits(config, symbol_retrievers) -> list[tuple[str, int, str]]:
 
 
 def check_position_range(name: str, position_ids, limits):
-    """Positions (given, or counted over the cache and padding) index the position tables: in `[0, limit)`."""
+    """Positions (given, or counted over the cache and padding) index the position tables: in `[0, limit)`.
+
+    While `torch.export` traces (values unread), the length `n` of position_ids `[b|1, n]` must stay within each
+    table instead: the comparison guards the symbolic length, so the program's dynamic length is capped at the
+    smallest table (`torch.export` refuses a `Dim` that allows more, and the program refuses a longer input, naming
+    the bound) rather than failing in the table lookup. Packed sequences longer than a table (given positions that
+    restart) export only up to its size."""
+    if limits and ENABLED and torch.compiler.is_exporting():
+        length = position_ids.shape[-1]
+        for field, limit, what in limits:
+            if length > limit:
+                raise ValueError(f"`{name}`: a sequence of {length} tokens is too long for the {what}: an exported "
+                                 f"length must stay within `{field}` = {limit}.")
     if not limits or not _reads_values():
         return
     low, high = _value_range(position_ids)
@@ -271,14 +284,16 @@ def validate_classification_labels(config, labels, *inputs):
         _fail("labels", "a tensor", type(labels).__name__)
     batch_size = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     problem, num_labels = classification_problem(config, labels), config.num_labels
-    expected_count = None if batch_size is None else batch_size * (1 if problem == "single_label_classification" else num_labels)
+    per_example = 1 if problem == "single_label_classification" else num_labels
+    expected_count = None if batch_size is None else batch_size * per_example
     if problem == "single_label_classification":
         check_token_labels("labels", labels, None, num_labels, "num_labels")
         expected = f"one class index per example ([{batch_size}])"
     elif problem in ("multi_label_classification", "regression"):
         if not labels.is_floating_point():
             _fail("labels", f"float targets for {problem.replace('_', ' ')}", f"dtype {labels.dtype}")
-        if problem == "multi_label_classification" and batch_size is not None and labels.shape != (batch_size, num_labels):
+        if (problem == "multi_label_classification" and batch_size is not None
+                and labels.shape != (batch_size, num_labels)):
             _fail("labels", f"of shape {[batch_size, num_labels]} (one 0/1 target per class) for multi-label "
                   "classification", f"shape {_shape(labels)}")
         expected = f"{expected_count} regression targets ([batch, num_labels])"
@@ -356,7 +371,8 @@ def validate_encoder_states(encoder_hidden_states, encoder_attention_mask, batch
 def validate_seq2seq_inputs(input_ids, inputs_embeds, decoder_input_ids, decoder_inputs_embeds, labels,
                             vocab_size: int):
     """`DATForSeq2SeqLM`'s target: `decoder_input_ids`, `decoder_inputs_embeds` or `labels` (from which the decoder
-    inputs are built), with the source's batch size; labels `[b, n]` (the decoder inputs' shape) of token ids or -100."""
+    inputs are built), with the source's batch size; labels `[b, n]` (the decoder inputs' shape) of token ids or
+    -100."""
     if not ENABLED:
         return
     decoder_inputs = decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds

@@ -52,8 +52,9 @@ def dynamic_shapes():
     return ({0: batch, 1: length}, {0: batch, 1: length})
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(num_relational_key_value_heads=1, relational_heads_bias="sliding_window",
-                                                    sliding_window_size=3)], ids=["default", "gqa-window"])
+@pytest.mark.parametrize("overrides", [dict(), dict(num_relational_key_value_heads=1,
+                                                    relational_heads_bias="sliding_window", sliding_window_size=3)],
+                         ids=["default", "gqa-window"])
 def test_torch_export_keeps_batch_and_length_dynamic(overrides):
     model, example, other = model_and_inputs(**overrides)
     program = torch.export.export(LogitsOnly(model), example, dynamic_shapes=dynamic_shapes(), strict=False)
@@ -76,6 +77,52 @@ def test_onnx_export_runs_in_onnxruntime_with_dynamic_batch_and_length(tmp_path)
     got = session.run(None, {name: tensor.numpy() for name, tensor in zip(names, other)})[0]
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(got), LogitsOnly(model)(*other), atol=ATOL, rtol=0)
+
+
+def length_bound(program, name: str = "input_ids") -> tuple[int, int]:
+    """(min, max) the exported program takes for the length of its input `name` `[b, n]`."""
+    node = next(node for node in program.graph.nodes if node.op == "placeholder" and node.name == name)
+    bounds = program.range_constraints[node.meta["val"].shape[1].node.expr]
+    return int(bounds.lower), int(bounds.upper)
+
+
+def test_torch_export_caps_the_length_at_the_positional_symbols():
+    """Positional symbols index a table of `max_symbol_positions` rows: a `Dim` that allows longer sequences is refused
+    (torch.export names the largest the model takes), `dynamic_length` caps it at the table, and the program refuses a
+    longer input, naming the bound (not an `IndexError` from the lookup); within it, the eager logits."""
+    model, example, other = model_and_inputs(symbol_retrieval="positional", max_symbol_positions=16)
+    assert dat_hf.export.max_sequence_length(model) == model.model.symbol_retrievers.retrievers[0].max_positions == 16
+    with pytest.raises(torch._dynamo.exc.UserError, match=r"length <= 48 satisfy the generated guard(.|\n)*"
+                                                          r"Dim\('length', max=16\)"):
+        torch.export.export(LogitsOnly(model), example, dynamic_shapes=dynamic_shapes(), strict=False)
+    batch, length = torch.export.Dim("batch", min=1, max=8), dat_hf.export.dynamic_length(model, max=48)
+    program = torch.export.export(LogitsOnly(model), example, dynamic_shapes=({0: batch, 1: length},) * 2,
+                                  strict=False)
+    assert length_bound(program) == (1, 16)
+    longest = torch.randint(1, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for inputs in (other, (longest, torch.ones_like(longest))):
+            torch.testing.assert_close(program.module()(*inputs), LogitsOnly(model)(*inputs), atol=ATOL, rtol=0)
+        too_long = torch.cat([longest, longest[:, :1]], 1)
+        with pytest.raises((AssertionError, RuntimeError), match=r"input_ids.*<= 16\b") as error:
+            program.module()(too_long, torch.ones_like(too_long))
+        assert not isinstance(error.value, IndexError)
+
+
+def test_torch_export_caps_the_length_at_learned_positions():
+    """Learned positions cap an automatic `Dim` at `max_position_embeddings`; an example longer than the table is
+    refused while exporting, naming the field; the static-cache export refuses a cache the table cannot cover."""
+    model, example, _ = model_and_inputs(position_embedding_type="learned", max_position_embeddings=12)
+    auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+    program = torch.export.export(LogitsOnly(model), example, dynamic_shapes=(auto, auto), strict=False)
+    assert length_bound(program)[1] == dat_hf.export.max_sequence_length(model) == 12
+    long_example = torch.ones(1, 13, dtype=torch.long)
+    with pytest.raises(ValueError, match="a sequence of 13 tokens is too long for the learned positions: an exported "
+                                         "length must stay within `max_position_embeddings` = 12"):
+        torch.export.export(LogitsOnly(model), (long_example, torch.ones_like(long_example)), strict=False)
+    with pytest.raises(ValueError, match="max_cache_len=16 needs more positions than the learned positions hold: the "
+                                         "cache must stay within `max_position_embeddings` = 12"):
+        DATExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=16)
 
 
 STATIC_CASES = {  # the exported programs' models: causal with RoPE, a sliding window on every head, GQA

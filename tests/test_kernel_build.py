@@ -249,7 +249,8 @@ def test_build_ahead_then_a_fresh_process_neither_builds_nor_waits():
 def test_status_of_an_empty_cache(tmp_path, where):
     status, fields = run_kernels_cli("status", tmp_path, where)
     assert status.returncode == 0, status.stderr
-    assert fields["cache"] == str(tmp_path) and fields["built"] == "None"
+    assert fields["cache"] == str(tmp_path) and fields["built"] == "None" and fields["writable"] == "True"
+    assert fields["check"] == "not built"
     assert list(tmp_path.iterdir()) == []  # status writes nothing
 
 
@@ -397,7 +398,8 @@ def run_kernels_cli(command, cache, where="fresh-interpreter", **env):
         from dat_hf.kernels.__main__ import main
 
         out, err = io.StringIO(), io.StringIO()
-        with unittest.mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with unittest.mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
             returncode = main([command])
         result = subprocess.CompletedProcess([command], returncode, out.getvalue(), err.getvalue())
     else:
@@ -440,6 +442,7 @@ def test_status_tells_the_state_of_the_cache(copied_build, foreign_library, kind
         damage(copied_build, kind, foreign_library)
     before = {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
     fields = cpu_build.status()  # here: status never loads the library in its own process
+    assert fields["writable"] is True
     if kind in ("built", "unrecorded"):
         assert fields["built"] == str(copied_build)
         assert fields["check"] == {"built": VERIFIED, "unrecorded": UNRECORDED}[kind]
@@ -448,6 +451,74 @@ def test_status_tells_the_state_of_the_cache(copied_build, foreign_library, kind
         expected = "not built" if kind == "absent" else rf"corrupt: ({FAILED_CHECK[kind]}).*{re.escape(NEXT)}"
         assert re.fullmatch(expected, fields["check"]), fields["check"]
     assert before == {path: path.read_bytes() for path in copied_build.parents[1].rglob("*") if path.is_file()}
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """`read_only(folder)` takes the write bits off `folder` and everything in it (restored after the test); as root,
+    whom modes do not stop, `os.access` then answers by the mode bits, as for any other user."""
+    folders = []
+
+    def make(folder: Path):
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        folders.append(folder)
+
+    if os.geteuid() == 0:
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs: access(path, mode, *args, **kwargs) and
+                            not (mode & os.W_OK and not os.stat(path).st_mode & 0o222))
+    yield make
+    for folder in folders:
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+
+
+READ_ONLY = (r"the cache is read-only: build the kernels where it is writable \(`python -m dat_hf.kernels build`\) or "
+             "set DAT_HF_KERNEL_CACHE to a writable folder")
+
+
+@pytest.mark.parametrize("kind", ["built", "absent", "truncated"])
+def test_status_of_a_read_only_cache(copied_build, foreign_library, read_only, kind, monkeypatch):
+    """A cache that cannot be written (a build baked into an image, a read-only mount): a complete build is reported
+    built and verified, the cache read-only; a missing or damaged build is reported with what to do instead of
+    rebuilding (no build can be written there)."""
+    cache = copied_build.parents[1]
+    if kind == "absent":
+        shutil.rmtree(copied_build.parent)
+    elif kind == "truncated":
+        damage(copied_build, kind, foreign_library)
+    read_only(cache)
+    assert not cpu_build.cache_writable(cache) and not cpu_build.cache_writable(cache / "sub" / "folder")
+    monkeypatch.setenv("DAT_HF_KERNEL_CACHE", str(cache))
+    fields = cpu_build.status()
+    assert fields["writable"] is False and fields["cache"] == str(cache)
+    if kind == "built":
+        assert fields["built"] == str(copied_build) and fields["check"] == VERIFIED
+    else:
+        expected = "not built" if kind == "absent" else rf"corrupt: {FAILED_CHECK[kind]} .*"
+        assert fields["built"] is None and re.fullmatch(rf"{expected}; {READ_ONLY}", fields["check"]), fields["check"]
+    result, printed = run_kernels_cli("status", cache, "in-process")
+    assert result.returncode == 0 and printed["writable"] == "False" and printed["built"] == str(fields["built"])
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(read_only_runner() is None, reason="running as root without setpriv: no read-only folder")
+def test_status_of_a_read_only_cache_in_a_fresh_interpreter(copied_build, read_only):
+    """`python -m dat_hf.kernels status` by a process that cannot write the cache (as root: without
+    CAP_DAC_OVERRIDE): built and verified, the cache read-only; the kernels load from it."""
+    cache = copied_build.parents[1]
+    read_only(cache)
+    env = {**os.environ, "DAT_HF_KERNEL_CACHE": str(cache), "DAT_HF_CPU_KERNEL": "1"}
+    status = subprocess.run([*read_only_runner(), sys.executable, "-m", "dat_hf.kernels", "status"],
+                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    fields = dict(line.split(None, 1) for line in status.stdout.splitlines() if line.strip())
+    assert status.returncode == 0 and fields["writable"] == "False", status
+    assert fields["built"] == str(copied_build) and fields["check"] == VERIFIED, status.stdout
+    load = subprocess.run([*read_only_runner(), sys.executable, "-c", "import dat_hf; from dat_hf.kernels.cpu import "
+                           "load_cpu_kernel; print('READY', load_cpu_kernel())"], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    assert "READY True" in load.stdout and "dat_hf:" not in load.stderr, load
 
 
 @pytest.mark.parametrize("where", WHERE)

@@ -1,7 +1,8 @@
 """`python -m dat_hf.kernels build | status`: build the compiled CPU kernels ahead of their first use (e.g. in a
 Docker image or on a cluster's login node: the cache key includes the CPU's instruction set, so build on the kind of
-machine that runs the models), or show where they are cached and whether they are built and verified. `build`
-verifies a cached build (its record in build.json and a load in a child process) and rebuilds one that fails."""
+machine that runs the models), or show where they are cached (and whether that cache is writable: a read-only one
+serves its verified build as it is) and whether they are built and verified. `build` verifies a cached build (its
+record in build.json and a load in a child process) and rebuilds one that fails."""
 
 import argparse
 import sys

@@ -1,7 +1,8 @@
 """Build and load the compiled CPU kernels (`csrc/*.cpp`), once per machine, on first use or ahead of time.
 
     python -m dat_hf.kernels build     # build now (a Docker image, a cluster's login node), then no process waits
-    python -m dat_hf.kernels status    # where the build is cached, whether it is built and verified, who builds it
+    python -m dat_hf.kernels status    # where the build is cached (writable or not), whether it is built and
+                                       # verified, who builds it
 
 The sources are compiled by calling the C++ compiler directly (no ninja, no `torch.utils.cpp_extension.load`) for
 this machine's instruction set (`-march=native`). The first use logs one line (warning level) saying what is built,
@@ -16,7 +17,8 @@ gives SIGBUS): a build loads and calls its library in a child process, then reco
 `build.json`; a load first checks the file against that record (a few milliseconds), and only a library without a
 record (an older build) is loaded in a child process first (then recorded). An entry that fails a check (truncated,
 overwritten, another library) is moved aside to `.<key>.corrupt-<time>` and rebuilt, with one warning naming it; a
-library that loads without the dat_hf operators falls back like any other failure. `status` runs the checks.
+library that loads without the dat_hf operators falls back like any other failure. `status` runs the checks. A
+read-only cache (a read-only mount, a build baked into an image) serves its verified build as it is.
 
 Never a hang on a dead build: a build runs in a private folder (`.<key>.build-*`) that is renamed into place only
 once it is complete, under an OS lock (`flock` on `<key>.lock`) that the kernel releases when its holder dies, so a
@@ -544,23 +546,37 @@ def build_extension() -> bool:
     return _STATE["loaded"]
 
 
+def cache_writable(root=None) -> bool:
+    """Whether a build can be written into the cache `root` (default `cache_root()`): the folder, or the nearest one
+    above it that exists (a build makes the rest), is writable here. False for a read-only cache (a read-only mount, a
+    cache baked into an image for other users), whose verified build is used as it is."""
+    folder = Path(root or cache_root()).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def status() -> dict:
     """What `python -m dat_hf.kernels status` prints: `built` is the library when it passes every check (its record
-    in build.json and a load in a child process), `check` what the checks found. Writes nothing."""
-    name = build_name()
-    library = built_library(name=name)
-    check = "not built"
+    in build.json and a load in a child process), `check` what the checks found, `writable` whether a build could be
+    written there (a read-only cache's verified build is used as it is; a missing or damaged one cannot be built
+    there). Writes nothing."""
+    root, name = cache_root(), build_name()
+    library, writable = built_library(root, name), cache_writable(root)
+    then = ("the next use or `python -m dat_hf.kernels build` moves it aside and rebuilds it" if writable else
+            "the cache is read-only: build the kernels where it is writable (`python -m dat_hf.kernels build`) or set "
+            "DAT_HF_KERNEL_CACHE to a writable folder")
+    check = "not built" if writable else f"not built; {then}"
     if library is not None:
         verified, how = verify(library, deep=True, record=False)
-        check = f"verified: {how}" if verified else (
-            f"corrupt: {how}; the next use or `python -m dat_hf.kernels build` moves it aside and rebuilds it")
+        check = f"verified: {how}" if verified else f"corrupt: {how}; {then}"
         library = library if verified else None
-    return {"enabled": cpu_kernel_enabled(), "cache": str(cache_root()), "build": name,
-            "built": str(library) if library else None, "check": check, "building_now": building_now(name=name),
+    return {"enabled": cpu_kernel_enabled(), "cache": str(root), "writable": writable, "build": name,
+            "built": str(library) if library else None, "check": check, "building_now": building_now(root, name),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "compiler": shutil.which(compiler()),
             "timeout_s": os.environ.get("DAT_HF_KERNEL_BUILD_TIMEOUT") or DEFAULT_TIMEOUT}
 
 
 __all__ = ["KERNEL_CHECK", "LIBRARY_CHECK", "OPS", "SOURCES", "KernelBuildError", "build_extension", "build_name",
-           "built_library", "building_now", "cache_root", "child_check", "cpu_kernel_enabled", "ensure_built", "status",
-           "verify"]
+           "built_library", "building_now", "cache_root", "cache_writable", "child_check", "cpu_kernel_enabled",
+           "ensure_built", "status", "verify"]
