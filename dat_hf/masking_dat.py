@@ -9,8 +9,12 @@
 """
 
 import bisect
+import functools
+import warnings
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import CppCompileError
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers.masking_utils import (and_masks, create_bidirectional_mask, create_bidirectional_sliding_window_mask,
                                         create_causal_mask, create_sliding_window_causal_mask,
@@ -316,12 +320,36 @@ def uses_flex_attention(config) -> bool:
 
 
 def _both_formats(create, config, sliding_window=None, **kwargs):
-    """(dense mask, BlockMask or None) from a `masking_utils` mask function."""
+    """(dense mask, BlockMask or None) from a `masking_utils` mask function. Where Inductor cannot build the C++ of
+    Transformers' compiled `create_block_mask` (`CppCompileError`; PyTorch 2.13-2.14.1 over one key and several rows:
+    a mask function's reads of a `[b, 1]` tensor, the sparse graph's positions or the padding, vectorized along the
+    batch), the BlockMask is the dense mask, which `_with_row_validity` converts without compiling (one warning)."""
     dense = create(config=MaskBuilderConfig("sdpa", sliding_window), **kwargs)
     block = None
     if uses_flex_attention(config):
-        block = create(config=MaskBuilderConfig("flex_attention", sliding_window), **kwargs)
+        shape = tuple(dense.shape) if isinstance(dense, torch.Tensor) else None
+        if shape in _UNCOMPILABLE_BLOCK_MASKS:  # (not compiled again: a failed build takes seconds)
+            return dense, dense
+        try:
+            block = create(config=MaskBuilderConfig("flex_attention", sliding_window), **kwargs)
+        except BackendCompilerFailed as error:  # (Inductor raises `InductorError`, the compile error inside)
+            if not (isinstance(getattr(error, "inner_exception", None), CppCompileError) and shape is not None):
+                raise
+            _warn_block_mask_uncompiled()
+            _UNCOMPILABLE_BLOCK_MASKS.add(shape)
+            block = dense
     return dense, block
+
+
+# the dense masks' shapes whose BlockMask Inductor failed to compile in this process (`_both_formats`)
+_UNCOMPILABLE_BLOCK_MASKS: set[tuple] = set()
+
+
+@functools.cache
+def _warn_block_mask_uncompiled():
+    warnings.warn("dat_hf: Inductor could not compile FlexAttention's BlockMask of a mask (CppCompileError: the C++ "
+                  "it generated does not build); such BlockMasks are made from the dense mask, uncompiled (warned "
+                  "once).", RuntimeWarning, stacklevel=3)
 
 
 def build_attention_mask(

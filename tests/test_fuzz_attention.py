@@ -9,15 +9,16 @@ reference, bf16 within stated tolerances, and cached generation against recomput
 - `test_fuzz_many` (`-m slow`): `--fuzz-cases` random cases (default 2,000), every failing seed listed;
 - regression cases: what the fuzzer found, pinned as explicit cases (a change to the generator keeps them), and (in
   the integration run: minutes of Inductor builds) the FlexAttention configurations of issue 37 with FlexAttention
-  compiled, in both orders in one process.
+  compiled, in both orders in one process, and issue 55's one-token rows after a compiled sparse graph.
 """
 
 import dataclasses
 import time
+import warnings
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import set_torch_config, tiny_config
 from fuzz_cases import Case, check_case, draw_case
 
 from dat_hf import DATConfig, DATForCausalLM
@@ -115,7 +116,8 @@ def _flex_against_eager(models, bias, batch, length, padding):
         mask[row, :pad] = 0
     with torch.no_grad():
         expected, got = (model(ids, attention_mask=mask).logits for model in models)
-    backends = {m.relational_attention_backend for m in models[1].modules() if hasattr(m, "relational_attention_backend")}
+    backends = {m.relational_attention_backend for m in models[1].modules()
+                if hasattr(m, "relational_attention_backend")}
     assert backends == {"flex_attention"}
     assert torch.isfinite(got).all(), f"non-finite FlexAttention logits: {bias}, batch {batch}, {length} tokens"
     rows = mask.bool()
@@ -142,9 +144,53 @@ def test_issue_flex_attention_configs_equal_eager_in_any_order():
         _flex_against_eager(models["window" if bias is WINDOW else "sparse"], bias, batch, length, padding)
 
 
+# ---- issue 55: one token a row over a sparse graph, after another compiled one ------------------------------------
+ONE_TOKEN_MODEL = dict(vocab_size=53, max_position_embeddings=512, pad_token_id=0, num_symbols=8, hidden_size=32,
+                       num_hidden_layers=2, num_sensory_heads=1, num_relational_heads=1,
+                       num_relational_key_value_heads=1, relational_bias="sparse")
+ONE_TOKEN_SEQUENCE = [(4, 2, 40), (8, 3, 1)]  # (sparse_block_size, batch, tokens)
+
+
+@pytest.mark.integration  # (Inductor builds: a minute cold; the mask's fallback is held in the default suite by
+# test_relational_biases.py's test_block_mask_over_one_key_a_row_is_built)
+def test_issue_one_token_rows_with_flex_attention_equal_eager(request, monkeypatch):
+    """Issue 55 (`shared/repro/flex_cpp_compile.py`'s first sparse model, then its sixth): each head type on compiled
+    FlexAttention in turn, the sparse graph over 40 tokens, then over one token a row of 3, agrees with eager within
+    1e-5. The second's BlockMask, compiled by Transformers, failed with Inductor's `CppCompileError` (PyTorch
+    2.13-2.14.1; also alone): DAT builds that one without compiling, after a RuntimeWarning."""
+    from torch.nn.attention import flex_attention
+
+    # every call compiled: Dynamo runs a function uncompiled from the first time it hits the recompile limit in the
+    # process on (issue 37's test above does, for FlexAttention)
+    torch.compiler.reset()
+    set_torch_config(request, torch._dynamo.config, "recompile_limit", 64)
+    monkeypatch.setattr(flex_attention, "_WARNINGS_SHOWN", set(), raising=False)  # (it warns once per process)
+    for block, batch, length in ONE_TOKEN_SEQUENCE:
+        ids = torch.randint(1, 53, (batch, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones(batch, length, dtype=torch.long)
+        for sensory, relational in (("flex_attention", None), ("eager", "flex_attention")):
+            models = []
+            for impl in ("eager", sensory):
+                torch.manual_seed(0)
+                config = DATConfig(**ONE_TOKEN_MODEL, sparse_block_size=block, attn_implementation=impl)
+                config.relational_attn_implementation = relational if impl == sensory else "eager"
+                models.append(DATForCausalLM(config).eval())
+            with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                expected, got = (model(ids, attention_mask=mask).logits for model in models)
+            uncompiled = [str(w.message) for w in caught if "called without torch.compile" in str(w.message)]
+            assert not uncompiled, uncompiled[0]  # (FlexAttention itself ran compiled)
+            backends = {m.relational_attention_backend for m in models[1].modules()
+                        if hasattr(m, "relational_attention_backend")}
+            assert relational is None or backends == {relational}, backends  # (else the sensory heads alone)
+            diff = (got - expected).abs().max().item()
+            assert diff < 1e-5, f"{sensory}/{relational} differs from eager by {diff:.3g}: {batch} x {length} tokens"
+
+
 def test_an_ill_conditioned_case_is_held_to_float32_eager():
     """Seed 101052 (`-m slow`, seed 100000 on): a 2-feature layer norm; float32 eager and SDPA alike differ from the
-    float64 reference by 5.4e-5, past the plain tolerance; the check then holds the backends to float32 eager's error."""
+    float64 reference by 5.4e-5, past the plain tolerance; the check then holds the backends to float32 eager's
+    error."""
     assert "fp32" in check_case(draw_case(101052))
 
 
