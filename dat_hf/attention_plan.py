@@ -128,7 +128,8 @@ class PlannedSensory(PlannedAttention):
             return self._zero_isolated(out)
         q_len, kv_len = query.shape[2], key.shape[2]
         senders = self._senders(q_len, kv_len)
-        key, value = key[:, :, :senders], value[:, :, :senders]
+        if senders < kv_len:
+            key, value = key[:, :, :senders], value[:, :, :senders]
         mask = self.weights_mask(q_len, senders, query.device) if self.mask_format == "dense" else self.mask
         return self._zero_isolated(self._run(module, query, key, value, mask, dropout, **kwargs))
 
@@ -162,7 +163,8 @@ class PlannedRelational(PlannedAttention):
         while True:
             try:
                 messages = self._attend(*args)
-                module.relational_attention_backend = self.name
+                if module.relational_attention_backend != self.name:  # (`nn.Module.__setattr__` is slow)
+                    module.relational_attention_backend = self.name
                 return messages
             except RelationalBackendUnavailable as error:
                 self._fall_back(error)

@@ -107,8 +107,10 @@ class FusedProjections(NamedTuple):
 
 
 def head_linears(sensory, relational, projections) -> list:
-    """The modules named by (head type, attribute) pairs."""
-    return [getattr(relational if owner == "relational" else sensory, name) for owner, name in projections]
+    """The modules named by (head type, attribute) pairs (read from `_modules`: `nn.Module.__getattr__` is slow)."""
+    owners = {"relational": None if relational is None else relational._modules,
+              "sensory": None if sensory is None else sensory._modules}
+    return [owners[owner][name] for owner, name in projections]
 
 
 def project_fused(fused: FusedProjections, sensory, relational, x) -> list:

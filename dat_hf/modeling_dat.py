@@ -11,6 +11,7 @@ A DAT layer (pre-norm shown; post-norm is supported):
     x  += MLP(norm2(x))
 """
 
+import inspect
 import os
 from dataclasses import dataclass
 from functools import wraps
@@ -75,6 +76,8 @@ class DATRMSNorm(nn.Module):
 
     def forward(self, x):
         # x / rms(x) * w, computed in float32
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
@@ -535,6 +538,13 @@ class DATGenerationMixin(GenerationMixin):
     for the whole generation, `StaticCache` layers whose keys and values have their own head counts), and, for
     compileable caches, masks of every relational bias built before the compiled forward (`create_masks_for_generate`).
     A user's cache gets DAT's layers in the model's forward."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # `generate` reads the forward's signature at every step for a model class outside Transformers (its check
+        # for remote code's `cache_position`): computed once here, where the forward is defined
+        if "forward" in cls.__dict__:
+            cls.forward.__signature__ = inspect.signature(cls.forward)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):

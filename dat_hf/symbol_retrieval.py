@@ -37,7 +37,10 @@ class SymbolicAttention(nn.Module):
         query = self.q_proj(hidden_states).view(b, n, self.num_heads, -1).transpose(1, 2)  # [b, h, n, d/h]
         key = self.template_features.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]  # [1,h,S,d/h]
         value = library.view(-1, self.num_heads, d // self.num_heads).transpose(0, 1)[None]
-        key, value = key.to(query.dtype).expand(b, -1, -1, -1), value.to(query.dtype).expand(b, -1, -1, -1)
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            key, value = key.to(query.dtype), value.to(query.dtype)
+        if b > 1:
+            key, value = key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1)
         symbols = nn.functional.scaled_dot_product_attention(query, key, value, scale=self.scale,
                                                              dropout_p=self.dropout if self.training else 0.0)
         return symbols.transpose(1, 2).reshape(b, n, d)

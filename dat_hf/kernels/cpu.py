@@ -220,7 +220,8 @@ def multi_linear_op(x, weights):
 
 def cpu_fused_linear(linears, x):
     rows = x.reshape(-1, x.shape[-1])
-    return multi_linear_op(rows.contiguous(), [linear.weight for linear in linears]).view(*x.shape[:-1], -1)
+    return multi_linear_op(rows.contiguous(), [linear._parameters["weight"] for linear in linears]).view(
+        *x.shape[:-1], -1)
 
 
 _PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
@@ -237,10 +238,11 @@ def accepts_fused_linear(linears, x) -> bool:
     if grad and x.requires_grad:
         return False
     for linear in linears:
-        w = linear.weight
-        if not (dual_attention.is_plain_linear(linear) and linear.bias is None and type(w) in _PLAIN_TENSORS
-                and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-                and not (grad and w.requires_grad)):
+        parameters = linear._parameters  # (`nn.Module.__getattr__` is slow)
+        w = parameters["weight"] if type(linear) is nn.Linear else None
+        if not (w is not None and dual_attention.is_plain_linear(linear) and parameters["bias"] is None
+                and type(w) in _PLAIN_TENSORS and w.dtype == torch.float32 and w.device.type == "cpu"
+                and w.is_contiguous() and not (grad and w.requires_grad)):
             return False
     return True
 
