@@ -163,7 +163,7 @@ class PlannedRelational(PlannedAttention):
         while True:
             try:
                 messages = self._attend(*args)
-                if module.relational_attention_backend != self.name:  # (`nn.Module.__setattr__` is slow)
+                if getattr(module, "relational_attention_backend", None) != self.name:  # (`__setattr__` is slow)
                     module.relational_attention_backend = self.name
                 return messages
             except RelationalBackendUnavailable as error:
