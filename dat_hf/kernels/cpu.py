@@ -238,11 +238,12 @@ def accepts_fused_linear(linears, x) -> bool:
     if grad and x.requires_grad:
         return False
     for linear in linears:
+        if not dual_attention.is_plain_linear(linear):
+            return False
         parameters = linear._parameters  # (`nn.Module.__getattr__` is slow)
-        w = parameters["weight"] if type(linear) is nn.Linear else None
-        if not (w is not None and dual_attention.is_plain_linear(linear) and parameters["bias"] is None
-                and type(w) in _PLAIN_TENSORS and w.dtype == torch.float32 and w.device.type == "cpu"
-                and w.is_contiguous() and not (grad and w.requires_grad)):
+        w = parameters["weight"]
+        if not (parameters["bias"] is None and type(w) in _PLAIN_TENSORS and w.dtype == torch.float32
+                and w.device.type == "cpu" and w.is_contiguous() and not (grad and w.requires_grad)):
             return False
     return True
 
