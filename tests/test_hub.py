@@ -20,7 +20,7 @@ from transformers import (
 )
 
 import dat_hf
-from conftest import WHERE, tiny_config
+from conftest import tiny_config
 from remote_code import run_without_dat_hf
 from dat_hf import (DATConfig, DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForSequenceClassification, DATForTokenClassification, DATModel, DATSeq2SeqConfig,
@@ -320,7 +320,8 @@ save_file({k: v.contiguous() for k, v in results.items()}, str(work / "results.s
 '''
 
 
-@pytest.fixture(scope="module", params=WHERE)
+# in this process, and (integration: it starts an interpreter) in a fresh one
+@pytest.fixture(scope="module", params=["in-process", pytest.param("fresh-interpreter", marks=pytest.mark.integration)])
 def remote_run(request, tmp_path_factory, lm_folder):
     """Save a model, run the child's code once, collect its results: in this process `without_dat_hf`, or in a
     fresh interpreter (cwd outside the repo, no PYTHONPATH, dat_hf blocked)."""
