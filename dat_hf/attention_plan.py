@@ -215,6 +215,39 @@ class AttentionPlan(NamedTuple):
     sensory: dict
     relational: dict
 
+    @staticmethod
+    def reuse_key(masks: dict, config, query_like: torch.Tensor, output_attentions: bool, requires_grad: bool,
+                  training: bool, sensory_biases, relational_biases, per_request: bool = False) -> tuple | None:
+        """What `build` reads, as a key under which a plan can serve the next forward (a decoding step): None unless
+        every mask is implicit (no tensor, window, BlockMask or blocks: causal order or nothing), outside tracing.
+        The backends' registry (entries and unavailable ones) and the resolved sensory function are part of it."""
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return None
+        flags = []
+        for bias, mask in masks.items():
+            if not mask.implicit:
+                return None
+            flags.append((bias, mask.is_causal))
+        device = query_like.device.type
+        autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
+        implementation = config._attn_implementation
+        return (tuple(flags), tuple(sensory_biases), tuple(relational_biases), query_like.dtype, query_like.device,
+                query_like.shape[1], output_attentions, requires_grad, training, per_request, autocast,
+                autocast and torch.get_autocast_dtype(device), implementation,
+                DAT_ATTENTION_FUNCTIONS.get_interface(implementation.removeprefix("paged|")
+                                                      if isinstance(implementation, str) else implementation,
+                                                      eager_attention_forward),
+                getattr(config, "relational_attn_implementation", None), config.relation_activation,
+                config.symbol_retrieval, config.attention_dropout if training else 0.0,
+                tuple(RELATIONAL_ATTENTION_FUNCTIONS.items()), tuple(RELATIONAL_ATTENTION_FUNCTIONS.unavailable))
+
+    def reused(self) -> "AttentionPlan":
+        """This plan for another forward with the same key (`reuse_key`): the explicit masks formed per shape are
+        dropped."""
+        for entry in (*self.sensory.values(), *self.relational.values()):
+            entry._dense = {}
+        return self
+
     @classmethod
     def build(cls, masks: dict, config, query_like: torch.Tensor, output_attentions: bool = False,
               requires_grad: bool = False, training: bool = False, sensory_biases=None, relational_biases=None,

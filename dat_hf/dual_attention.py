@@ -363,7 +363,8 @@ class DualAttention(nn.Module):
                 symbols_at = relational.symbols_at(query_offset, None if ring is None else ring.max_cache_len,
                                                    relative_position_index)
             else:
-                values.append(relational.symbol_proj(symbols).expand(b, n, -1))
+                symbol_values = relational.symbol_proj(symbols)
+                values.append(symbol_values if symbol_values.shape[0] == b else symbol_values.expand(b, n, -1))
             values.append(parts[-1])  # relation keys (the relation queries for symmetric relations)
         if isinstance(cache, PagedCache):
             keys, values = cache.update_packed(self.packed, key_cache, values, self.layer_idx)

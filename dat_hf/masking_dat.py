@@ -132,6 +132,12 @@ class AttentionMask:
         return self._mask
 
     @property
+    def implicit(self) -> bool:
+        """Whether nothing but `is_causal` describes the graph (no tensor, window, BlockMask or receiver blocks)."""
+        return (self._mask is None and self.window is None and self.block_mask is None and self.row_valid is None
+                and self.receiver_blocks is None)
+
+    @property
     def masked(self) -> bool:
         """Whether a mask is given beyond the implicit causal order (False: `mask` is None)."""
         return self._mask is not None or self.window is not None

@@ -173,7 +173,7 @@ def embed_positions(module, inputs_embeds, position_ids, position_embedding_type
         hidden_states = inputs_embeds + module.embed_positions(position_ids)
     elif position_embedding_type == "rope":
         position_embeddings = module.rotary_emb(inputs_embeds, position_ids)
-    return module.dropout(hidden_states), position_embeddings
+    return (module.dropout(hidden_states) if module.training else hidden_states), position_embeddings
 
 
 def init_dat_stack(model, config, layers: list, uses_symbols: bool, symbol_config=None, final_norm: bool = True):
@@ -216,10 +216,18 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
         check_inputs("graph_inputs", biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
         masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
                             causal=causal)
-    plan = AttentionPlan.build(masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds),
-                               model.training, [sensory for sensory, _ in layer_biases],
-                               [relational for _, relational in layer_biases],
-                               per_request=isinstance(cache, PagedCache) and cache.decoding)
+    inputs = (masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds), model.training,
+              [sensory for sensory, _ in layer_biases], [relational for _, relational in layer_biases])
+    per_request = isinstance(cache, PagedCache) and cache.decoding
+    # a decoding step's masks are implicit (causal order): the last such step's plan serves again (not while tracing)
+    key = AttentionPlan.reuse_key(*inputs, per_request)
+    if key is None:
+        return layer_biases, AttentionPlan.build(*inputs, per_request=per_request)
+    last = model.__dict__.get("_last_attention_plan")
+    if last is not None and last[0] == key:
+        return layer_biases, last[1].reused()
+    plan = AttentionPlan.build(*inputs, per_request=per_request)
+    model.__dict__["_last_attention_plan"] = (key, plan)
     return layer_biases, plan
 
 

@@ -57,6 +57,58 @@ def test_selection_and_mask_conversion_run_once_per_forward(monkeypatch, biases,
     assert not [name for name in asked if name != "dense"], asked
 
 
+def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
+    """Decoding steps over implicit masks (causal order, no padding) plan once: the last step's plan serves the next,
+    with the logits of planning every step. A step with padding, another requested backend, or a changed registry
+    entry plans anew (and runs the new entry)."""
+    from dat_hf.transformers_compat import output_cache
+
+    model = DATForCausalLM(tiny(attn_implementation="sdpa")).eval()
+    builds, build = [], attention_plan.AttentionPlan.build.__func__
+    monkeypatch.setattr(attention_plan.AttentionPlan, "build",
+                        classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
+    ids = torch.randint(1, 97, (2, 12))
+
+    def decode(steps, **kwargs):
+        """Greedy steps after the prompt -> (logits of each step, builds during the steps)."""
+        with torch.no_grad():
+            out = model(ids, use_cache=True, **kwargs)
+            cache, token, logits = output_cache(out), out.logits[:, -1:].argmax(-1), []
+            mask = kwargs.get("attention_mask")
+            builds.clear()
+            for _ in range(steps):
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                    kwargs["attention_mask"] = mask
+                step = model(token, cache=cache, **kwargs).logits
+                logits.append(step)
+                token = step.argmax(-1)
+        return torch.cat(logits, dim=1), len(builds)
+
+    reused, planned = decode(5)
+    assert planned == 1
+    monkeypatch.setattr(attention_plan.AttentionPlan, "reuse_key", staticmethod(lambda *args: None))
+    every_step, planned = decode(5)
+    assert planned == 5
+    torch.testing.assert_close(reused, every_step, rtol=0, atol=0)
+    monkeypatch.undo()
+    monkeypatch.setattr(attention_plan.AttentionPlan, "build",
+                        classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
+
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[0, :3] = 0
+    assert decode(3, attention_mask=padding)[1] == 3  # explicit masks: planned per step
+    decode(2)
+    relational = model.model.layers[0].dual_attn.relational
+    name, calls = relational.relational_attention_backend, []
+    entry = RELATIONAL_ATTENTION_FUNCTIONS[name]
+    monkeypatch.setitem(RELATIONAL_ATTENTION_FUNCTIONS, name, entry._replace(
+        function=lambda *args, **kwargs: calls.append(1) or entry.function(*args, **kwargs)))
+    assert decode(2)[1] == 1 and len(calls) == 2 * 4 + 4  # (the prompt, then each step's 4 layers)
+    model.config.relational_attn_implementation = "eager"
+    assert decode(2)[1] == 1 and relational.relational_attention_backend == "eager"
+
+
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "cpu"])
 def test_each_mask_format_gives_the_reference(backend):
     """A backend gets the mask in the format it declares (`mask_in_format`); through `call_backend` (the plan's

@@ -562,3 +562,91 @@ def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
         subclass.weight = nn.Parameter(torch.Tensor._make_subclass(SubclassedWeight, subclass.weight.detach()))
         assert not kernel.accepts_fused_linear([*linears, subclass], x)  # (e.g. a quantized weight)
     assert not kernel.accepts_fused_linear(linears, x)  # gradients wanted for the weights
+
+
+def symbolic_module(d, heads, symbols, scale=None, bias=True, seed=0):
+    from dat_hf.symbol_retrieval import SymbolicAttention
+
+    config = tiny_config(hidden_size=d, symbolic_attention_heads=heads, num_symbols=symbols,
+                         symbolic_attention_scale=scale)
+    module = SymbolicAttention(config).eval()
+    if not bias:
+        module.q_proj = nn.Linear(d, d, bias=False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=g))
+    return module
+
+
+@pytest.mark.parametrize("d,heads,symbols,rows,scale,bias", [(128, 2, 32, 1, None, True), (24, 3, 7, 5, 0.3, False),
+                                                               (40, 4, 50, 63, None, True)])
+def test_symbolic_attention_op_matches_the_reference_in_fp64(d, heads, symbols, rows, scale, bias, loaded):
+    """One op for a decoding step's symbol retrieval (query projection, each head's softmax over the templates, sum
+    of the library) gives the reference module computed in float64, for head widths that are not multiples of the
+    vector length; two threads give the one-thread result exactly; bad inputs name the problem."""
+    from dat_hf.symbol_retrieval import symbolic_attention
+
+    module = symbolic_module(d, heads, symbols, scale, bias)
+    x = torch.randn(1, rows, d, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = symbolic_attention.reference(module.double(), x.double(), module.symbol_library)
+        module.float()
+        got = kernel.cpu_symbolic_attention(module, x, module.symbol_library)
+        assert got.shape == (1, rows, d) and got.dtype == torch.float32
+        assert (got.double() - expected).abs().max() < 1e-5
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            assert torch.equal(kernel.cpu_symbolic_attention(module, x, module.symbol_library), got)
+        finally:
+            torch.set_num_threads(threads)
+        op, weight = torch.ops.dat_hf.symbolic_attention, module.q_proj.weight
+        with pytest.raises(RuntimeError, match=r"symbolic_attention: the templates must be a contiguous float32 CPU "):
+            op(x[0], weight, None, module.template_features[:, :-1], module.symbol_library, heads, 1.0)
+        with pytest.raises(RuntimeError, match=r"heads dividing d"):
+            op(x[0], weight, None, module.template_features, module.symbol_library, d + 1, 1.0)
+        with pytest.raises(RuntimeError, match=r"the query bias must be a contiguous float32 CPU tensor"):
+            op(x[0], weight, torch.zeros(d + 1), module.template_features, module.symbol_library, heads, 1.0)
+
+
+def test_decoding_symbols_take_the_one_op(loaded, monkeypatch):
+    """Without gradients, a float32 decoding step retrieves each layer's symbols with the registered op, and its
+    logits match the reference's; a hooked or wrapped query projection, gradients, dropout in training, long inputs,
+    several rows over large tables and other dtypes keep the reference."""
+    assert registered_kernels("symbolic_attention") == [kernel.cpu_symbolic_attention]
+    torch.manual_seed(0)
+    config = tiny_config(symbol_retrieval="symbolic_attention", shared_symbol_retriever=False)
+    model = DATForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, 41))
+    calls = record_calls(monkeypatch, "symbolic_attention_op", lambda x, *args: x.shape)
+    with torch.no_grad():
+        out = model(ids[:, :-1], use_cache=True)  # the prompt: 80 rows, the reference
+        assert calls == []
+        step = model(ids[:, -1:], cache=output_cache(out)).logits
+    assert calls == [(2, config.hidden_size)] * config.num_hidden_layers
+    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+
+    module = model.model.symbol_retrievers.retrievers[0]
+    library, x = module.symbol_library, torch.randn(2, 1, config.hidden_size)
+    accepts = kernel.accepts_symbolic_attention
+    with torch.no_grad():
+        assert accepts(module, x, library)
+        assert not accepts(module, torch.randn(1, da.FUSED_PROJECTION_MIN_ROWS, config.hidden_size), library)
+        assert not accepts(module, x.double(), library)
+        hook = module.q_proj.register_forward_hook(lambda *args: None)
+        assert not accepts(module, x, library)
+        hook.remove()
+        module.train()
+        assert accepts(module, x, library)  # (no symbol dropout)
+        module.dropout = 0.1
+        assert not accepts(module, x, library)
+        module.eval()
+        assert accepts(module, x, library)
+        large = symbolic_module(64, 2, kernel.SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS // 64 + 1)
+        assert accepts(large, torch.randn(1, 1, 64), large.symbol_library)  # one row: one pass over the tables
+        assert not accepts(large, torch.randn(2, 1, 64), large.symbol_library)  # rows: the reference's products
+    assert not accepts(module, x, library)  # gradients

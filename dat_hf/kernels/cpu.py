@@ -75,6 +75,10 @@ def _register_python_side():
     def _multi_linear_fake(x, weights):
         return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
 
+    @torch.library.register_fake("dat_hf::symbolic_attention")
+    def _symbolic_attention_fake(x, weight, bias, templates, library, heads, scale):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("dat_hf::swiglu_forward")
     def _swiglu_fake(gate, up):
         return gate.new_empty(gate.shape)
@@ -248,6 +252,54 @@ def accepts_fused_linear(linears, x) -> bool:
     return True
 
 
+# ---- symbolic attention ------------------------------------------------------------------------------------------
+def cpu_symbolic_attention(module, hidden_states, library):
+    """`symbol_retrieval.symbolic_attention` in one op (no autograd): the query projection, each head's softmax over
+    the templates and its sum of the library, for a few rows. hidden_states `[b, n, d]` -> symbols `[b, n, d]`."""
+    b, n, d = hidden_states.shape
+    parameters = module.q_proj._parameters
+    scale = module.scale if module.scale is not None else (d // module.num_heads) ** -0.5
+    symbols = symbolic_attention_op(hidden_states.reshape(b * n, d).contiguous(), parameters["weight"],
+                                    parameters["bias"], module.template_features, library, module.num_heads, scale)
+    return symbols.view(b, n, d)
+
+
+def symbolic_attention_op(x, weight, bias, templates, library, heads: int, scale: float):
+    """Symbolic attention for a few rows in one op (no autograd): x `[rows, d]`, the query projection's weight
+    `[d, d]` and bias `[d]` (or None), templates and library `[S, d]`, contiguous float32 CPU tensors -> symbols
+    `[rows, d]`, per head `softmax(scale q_h templates_h^T) library_h` with `q = x W^T + b`."""
+    return torch.ops.dat_hf.symbolic_attention(x, weight, bias, templates, library, heads, scale)
+
+
+# above this many template elements (256 KB) the op takes one row at a time: its loops re-read the tables per row,
+# where the reference's matrix products share them
+SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS = 1 << 16
+
+
+def accepts_symbolic_attention(module, hidden_states, library) -> bool:
+    """Decoding inputs without gradients or dropout, float32 on CPU (one row, or fewer than `FUSED_PROJECTION_MIN_ROWS`
+    over tables of at most `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements), a plain query projection (no hooks, PEFT or
+    tensor subclass) and plain contiguous templates and library. (Checked at every decoding step of every layer.)"""
+    if not (hidden_states.is_cpu and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and load_cpu_kernel()):
+        return False
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    templates = module.template_features
+    if rows > 1 and (rows >= dual_attention.FUSED_PROJECTION_MIN_ROWS
+                     or templates.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
+        return False
+    q_proj = module.q_proj
+    if (module.training and module.dropout > 0) or not dual_attention.is_plain_linear(q_proj):
+        return False
+    parameters = q_proj._parameters
+    bias = parameters["bias"]
+    for t in (parameters["weight"], templates, library) if bias is None else (parameters["weight"], bias, templates,
+                                                                              library):
+        if not (type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()):
+            return False
+    return True
+
+
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
 def swiglu_op(gate, up):
     """`silu(gate) * up` in one pass (no autograd): float32 CPU tensors of one shape -> that shape."""
@@ -272,8 +324,9 @@ def register():
     RELATIONAL_ATTENTION_FUNCTIONS.register("cpu", cpu_relational_attention, supports_cpu, preferred_on=("cpu",))
     register_kernel("rotary", cpu_rotary, accepts_rotary)
     register_kernel("fused_linear", cpu_fused_linear, accepts_fused_linear)
+    register_kernel("symbolic_attention", cpu_symbolic_attention, accepts_symbolic_attention)
 
 
-__all__ = ["cpu_relational_attention", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
+__all__ = ["cpu_relational_attention", "cpu_symbolic_attention", "symbolic_attention_op", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
            "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel",
            "cpu_kernel_ready"]

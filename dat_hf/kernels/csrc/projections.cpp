@@ -1,15 +1,21 @@
 // A layer's input projections for a few rows (decoding): out = [x W_1^T | x W_2^T | ...] in one op (fp32). At one
 // row per sequence each projection is a matrix-vector product bound by reading its weight: one call reads every
 // weight once, a few rows of weights at a time for all rows of x, asking for the rows it reads next ahead of time.
+// Symbolic attention for a few rows (decoding) in one op: the query projection, then per head a softmax over the
+// symbols' templates and the weighted sum of the library.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -82,12 +88,97 @@ at::Tensor multi_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
   return out;
 }
 
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) acc = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc);
+  float s = horizontal_sum(acc);
+  for (; e < n; ++e) s += a[e] * b[e];
+  return s;
+}
+
+// y += alpha x (n elements)
+inline void axpy(float* y, float alpha, const float* x, int64_t n) {
+  const Vec a(alpha);
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) at::vec::fmadd(a, Vec::loadu(x + e), Vec::loadu(y + e)).store(y + e);
+  for (; e < n; ++e) y[e] += alpha * x[e];
+}
+
+void check_matrix(const at::Tensor& t, int64_t cols, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(1) == cols &&
+              t.is_contiguous(), "symbolic_attention: ", name, " must be a contiguous float32 CPU tensor [*, ", cols,
+              "], got ", t.scalar_type(), " ", t.sizes());
+}
+
+// x [rows, d], weight [d, d], bias [d] or None, templates and library [S, d] (contiguous float32), heads dividing d
+// -> symbols [rows, d]: per head h, softmax(scale <x W_q^T + b_q, templates>) over the S symbols, times the library
+at::Tensor symbolic_attention(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                              const at::Tensor& templates, const at::Tensor& library, int64_t heads, double scale) {
+  TORCH_CHECK(x.dim() == 2, "symbolic_attention: x must be [rows, d], got ", x.sizes());
+  const int64_t rows = x.size(0), d = x.size(1), S = templates.size(0);
+  check_matrix(x, d, "x");
+  check_matrix(weight, d, "the query weight");
+  check_matrix(templates, d, "the templates");
+  check_matrix(library, d, "the library");
+  TORCH_CHECK(weight.size(0) == d && library.size(0) == S && heads > 0 && d % heads == 0,
+              "symbolic_attention: a [d, d] query weight, templates and library of one size, heads dividing d; got ",
+              weight.sizes(), " ", templates.sizes(), " ", library.sizes(), " heads ", heads);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                bias->size(0) == d && bias->is_contiguous(), "symbolic_attention: the query bias must be a "
+                "contiguous float32 CPU tensor [", d, "], got ", bias->scalar_type(), " ", bias->sizes());
+  }
+  const int64_t dk = d / heads;
+  auto query = at::empty({rows, d}, x.options());
+  auto out = at::zeros({rows, d}, x.options());
+  const float *X = x.data_ptr<float>(), *W = weight.data_ptr<float>(), *T = templates.data_ptr<float>(),
+              *L = library.data_ptr<float>();
+  const float* B = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float *Q = query.data_ptr<float>(), *O = out.data_ptr<float>();
+  at::parallel_for(0, (d + kGroup - 1) / kGroup, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t o = g * kGroup, count = std::min(kGroup, d - o);
+      switch (count) {
+        case 4: group_dots<4>(W + o * d, d, X, rows, Q + o, d); break;
+        case 3: group_dots<3>(W + o * d, d, X, rows, Q + o, d); break;
+        case 2: group_dots<2>(W + o * d, d, X, rows, Q + o, d); break;
+        default: group_dots<1>(W + o * d, d, X, rows, Q + o, d); break;
+      }
+      if (B != nullptr)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < count; ++k) Q[r * d + o + k] += B[o + k];
+    }
+  });
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(S);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / heads, h = i % heads;
+      const float* q = Q + r * d + h * dk;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < S; ++j) {
+        p[j] = s * dot(q, T + j * d + h * dk, dk);
+        top = std::max(top, p[j]);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < S; ++j) total += (p[j] = std::exp(p[j] - top));
+      float* o = O + r * d + h * dk;
+      for (int64_t j = 0; j < S; ++j) axpy(o, p[j] / total, L + j * d + h * dk, dk);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dat_hf, m) {
   m.def("multi_linear(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("symbolic_attention(Tensor x, Tensor weight, Tensor? bias, Tensor templates, Tensor library, int heads, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
   m.impl("multi_linear", &multi_linear);
+  m.impl("symbolic_attention", &symbolic_attention);
 }
