@@ -39,6 +39,48 @@ class InPlaceCacheLayer(DynamicLayer):
         self._length = length + new
         return self.keys, self.values
 
+    def update_packed(self, packed, key_states, values: list):
+        """A `PackedCache` layer's update without packing: keys `[b, h_k, n, d_h]` and flat values `[b, n, width]`
+        are written into the buffers, and the views `packed.views` gives are cut from views of the whole buffers
+        kept with them -> (keys per head type, values) over the cached tokens, as `packed.unpack(*update(...))`."""
+        length, new = self._length, key_states.shape[-2]
+        if torch.compiler.is_compiling() or length != self.get_seq_length() or not self._has_room(length, new,
+                                                                                                   key_states, values):
+            return packed.unpack(*self.update(*packed.pack([key_states], values)))
+        key_buffer, value_buffer = self._buffers
+        key_buffer.narrow(-2, length, new).copy_(key_states)
+        rows, keys, parts = self._packed_views(packed, value_buffer)
+        torch.cat(values, dim=-1, out=rows.narrow(1, length, new)) if len(values) > 1 else \
+            rows.narrow(1, length, new).copy_(values[0])
+        self._length = total = length + new
+        self.keys, self.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+        return ([key.narrow(2, 0, total) for key in keys],
+                [part.narrow(2 if heads else 1, 0, total) for part, heads in zip(parts, packed.value_heads)])
+
+    def _has_room(self, length, new, key_states, values) -> bool:
+        """Whether the buffers still hold `keys`/`values` and take `new` more tokens of these states."""
+        if self._buffers is None or not self.is_initialized:
+            return False
+        key_buffer, value_buffer = self._buffers
+        width = sum(value.shape[-1] for value in values)
+        return (self.keys.data_ptr() == key_buffer.data_ptr() and self.values.data_ptr() == value_buffer.data_ptr()
+                and self.keys.stride() == key_buffer.stride() and self.values.stride() == value_buffer.stride()
+                and length + new <= key_buffer.shape[-2] and key_states.shape[:-2] == key_buffer.shape[:-2]
+                and key_states.shape[-1] == key_buffer.shape[-1] and value_buffer.shape[-1] == width
+                and value_buffer.shape[0] == key_states.shape[0] and key_states.dtype == key_buffer.dtype
+                and all(value.dtype == value_buffer.dtype for value in values)
+                and key_states.device == key_buffer.device)
+
+    def _packed_views(self, packed, value_buffer):
+        """(value rows `[b, capacity, width]`, keys per head type and values over the whole buffers), made once per
+        buffers and layout."""
+        views = self.__dict__.get("_views")
+        if views is None or views[0] is not packed or views[1] is not self._buffers:
+            rows = value_buffer[:, 0]
+            keys, parts = packed.views(self._buffers[0], list(rows.split(packed.value_widths, dim=-1)))
+            views = self._views = (packed, self._buffers, (rows, keys, parts))
+        return views[2]
+
     def _owns(self, length, key_states, value_states) -> bool:
         """Whether `keys`/`values` are still this layer's prefix views with room for the new states."""
         if self._buffers is None or length != self._length:

@@ -14,9 +14,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
 
 from .attention_plan import PlannedRelational, PlannedSensory
-from .cache_dat import PagedCache, query_slot, ring_layer
+from .cache_dat import InPlaceCacheLayer, PagedCache, query_slot, ring_layer
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights)
@@ -296,6 +297,15 @@ class PackedCache:
                 else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
 
 
+def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int):
+    """`cache.update` of one layer in `packed`'s layout -> `packed.unpack`'s views; a dynamic cache's in-place layer
+    writes the parts into its buffers without packing them first."""
+    layers = cache.layers if type(cache) is DynamicCache else ()
+    if layer_idx < len(layers) and type(layers[layer_idx]) is InPlaceCacheLayer:
+        return layers[layer_idx].update_packed(packed, keys, values)
+    return packed.unpack(*cache.update(*packed.pack([keys], values), layer_idx))
+
+
 class DualAttention(nn.Module):
     """Sensory and relational heads side by side, outputs concatenated; one fused input projection, one cache layer.
 
@@ -369,7 +379,7 @@ class DualAttention(nn.Module):
         if isinstance(cache, PagedCache):
             keys, values = cache.update_packed(self.packed, key_cache, values, self.layer_idx)
         elif cache is not None:
-            keys, values = self.packed.unpack(*cache.update(*self.packed.pack([key_cache], values), self.layer_idx))
+            keys, values = packed_update(cache, self.packed, key_cache, values, self.layer_idx)
         else:
             keys, values = self.packed.views(key_cache, values)
         queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)

@@ -253,6 +253,48 @@ def test_in_place_cache_layer_behaves_like_dynamic_layer():
     assert ours._buffers[0].shape[-2] == 6  # reset: fresh buffers, sized by the capacity hint again
 
 
+def test_packed_in_place_updates_give_the_packed_views():
+    """A dual-attention layer's update written into an `InPlaceCacheLayer` part by part (`update_packed`) gives the
+    views of packing, updating a `DynamicLayer` and unpacking, and the same keys and values, through growth, crops,
+    batch selections and beam reorderings; views handed out earlier never change afterwards."""
+    model = DATForCausalLM(tiny_config(num_relational_key_value_heads=1))
+    packed = model.model.layers[0].dual_attn.packed  # keys: 1 relational + 2 sensory heads; values: 3 parts
+    g = torch.Generator().manual_seed(0)
+
+    def states(b, n):
+        keys = torch.randn(b, sum(packed.key_heads), n, 8, generator=g)
+        return keys, [torch.randn(b, n, width, generator=g) for width in packed.value_widths]
+
+    ours, theirs, handed_out = InPlaceCacheLayer(capacity=4), DynamicLayer(), []
+
+    def step(op, *args):
+        if op == "update":
+            got = ours.update_packed(packed, *args)
+            expected = packed.unpack(*theirs.update(*packed.pack([args[0]], args[1])))
+            for mine, reference in zip([*got[0], *got[1]], [*expected[0], *expected[1]]):
+                assert mine.shape == reference.shape and torch.equal(mine, reference)
+            handed_out.append([(view, view.clone()) for view in [*got[0], *got[1]]])
+        else:
+            for layer in (ours, theirs):
+                getattr(layer, op)(*args)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), op
+        assert ours.get_seq_length() == theirs.get_seq_length()
+
+    step("update", *states(2, 3))
+    for _ in range(3):
+        step("update", *states(2, 1))  # 6 > capacity 4: grows
+    step("crop", -2)
+    step("update", *states(2, 1))  # overwrites a slot an earlier view covered
+    step("batch_repeat_interleave", 2)
+    step("update", *states(4, 1))
+    step("batch_select_indices", torch.tensor([3, 0]))
+    for _ in range(12):
+        step("update", *states(2, 1))
+    assert ours._buffers[0].shape[-2] < 2 * ours.get_seq_length() + 2
+    for views in handed_out:
+        assert all(torch.equal(view, then) for view, then in views)
+
+
 @torch.no_grad()
 def test_generate_appends_in_place():
     """generate's cache has in-place layers sized for the whole generation: no reallocation, nothing copied twice;
