@@ -57,6 +57,19 @@ class InPlaceCacheLayer(DynamicLayer):
         return ([key.narrow(2, 0, total) for key in keys],
                 [part.narrow(2 if heads else 1, 0, total) for part, heads in zip(parts, packed.value_heads)])
 
+    def has_room_for(self, batch_size: int, new: int, packed, dtype) -> bool:
+        """Whether `new` tokens of a `PackedCache` layer's states (`batch_size` rows, `dtype`) can be written into the
+        buffers at the current length (which `keys`/`values` still cover)."""
+        if self._buffers is None or not self.is_initialized or self._length != self.keys.shape[-2]:
+            return False
+        key_buffer, value_buffer = self._buffers
+        return (self.keys.data_ptr() == key_buffer.data_ptr() and self.values.data_ptr() == value_buffer.data_ptr()
+                and self.keys.stride() == key_buffer.stride() and self.values.stride() == value_buffer.stride()
+                and self._length + new <= key_buffer.shape[-2] and key_buffer.shape[0] == batch_size
+                and key_buffer.shape[1] == sum(packed.key_heads) and key_buffer.shape[-1] == packed.head_dim
+                and value_buffer.shape[-1] == sum(packed.value_widths) and key_buffer.dtype == dtype
+                and value_buffer.dtype == dtype)
+
     def _has_room(self, length, new, key_states, values) -> bool:
         """Whether the buffers still hold `keys`/`values` and take `new` more tokens of these states."""
         if self._buffers is None or not self.is_initialized:

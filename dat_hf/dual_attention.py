@@ -297,6 +297,14 @@ class PackedCache:
                 else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
 
 
+@replaceable("dual_attention_step")
+def fused_decoding_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                        **kwargs):
+    """A decoding step of `module` (a `DualAttention`) as one kernel: its forward's outputs, or None (the reference:
+    no kernel takes this step, the forward computes it part by part)."""
+    return None
+
+
 def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int):
     """`cache.update` of one layer in `packed`'s layout -> `packed.unpack`'s views; a dynamic cache's in-place layer
     writes the parts into its buffers without packing them first."""
@@ -345,6 +353,10 @@ class DualAttention(nn.Module):
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
+        step = fused_decoding_step(self, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan,
+                                   cache, **kwargs)
+        if step is not None:  # a registered kernel took the whole step
+            return step
         b, n, _ = hidden_states.shape
         relational, sensory = self.relational, self.sensory  # module attribute lookups are slow
         parts = project_fused(self.input_projections, sensory, relational, hidden_states)

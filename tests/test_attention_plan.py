@@ -61,12 +61,20 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
     """Decoding steps over implicit masks (causal order, no padding) plan once: the last step's plan serves the next,
     with the logits of planning every step. A step with padding, another requested backend, or a changed registry
     entry plans anew (and runs the new entry)."""
+    from dat_hf import kernel_hooks
     from dat_hf.transformers_compat import output_cache
 
     model = DATForCausalLM(tiny(attn_implementation="sdpa")).eval()
     builds, build = [], attention_plan.AttentionPlan.build.__func__
-    monkeypatch.setattr(attention_plan.AttentionPlan, "build",
-                        classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
+    kernels = {name: entries for name, entries in kernel_hooks._KERNELS.items() if name != "dual_attention_step"}
+
+    def watch_builds():
+        # (the layers' decoding-step op, which takes the steps without the backends' functions, set aside)
+        monkeypatch.setattr(kernel_hooks, "_KERNELS", kernels)
+        monkeypatch.setattr(attention_plan.AttentionPlan, "build",
+                            classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
+
+    watch_builds()
     ids = torch.randint(1, 97, (2, 12))
 
     def decode(steps, **kwargs):
@@ -92,8 +100,7 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
     assert planned == 5
     torch.testing.assert_close(reused, every_step, rtol=0, atol=0)
     monkeypatch.undo()
-    monkeypatch.setattr(attention_plan.AttentionPlan, "build",
-                        classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
+    watch_builds()
 
     padding = torch.ones(2, 12, dtype=torch.long)
     padding[0, :3] = 0

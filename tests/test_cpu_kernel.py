@@ -29,6 +29,7 @@ import dat_hf.dual_attention as da
 import dat_hf.kernels.cpu as kernel
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
+from dat_hf import kernel_hooks
 from dat_hf.kernel_hooks import registered_kernels
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.transformers_compat import output_cache
@@ -368,6 +369,13 @@ def greedy(model, prompt, **kwargs):
     return out.sequences, torch.stack(out.scores)
 
 
+def without_step(monkeypatch):
+    """The registered kernels without the dual-attention layer's decoding-step op (its layers then call the
+    relational backend)."""
+    monkeypatch.setattr(kernel_hooks, "_KERNELS", {name: entries for name, entries in kernel_hooks._KERNELS.items()
+                                                   if name != "dual_attention_step"})
+
+
 GENERATION_CASES = {
     "default": (dict(), False),
     "gqa": (dict(num_relational_key_value_heads=1, num_relations=3, relation_dim=5), False),
@@ -377,7 +385,10 @@ GENERATION_CASES = {
 
 
 @pytest.mark.parametrize("case", list(GENERATION_CASES))
-def test_generation_with_decode_op_equals_reference(case, loaded):
+def test_generation_with_decode_op_equals_reference(case, loaded, monkeypatch):
+    """Through the relational backend (the layers' decoding-step op set aside), greedy generation over the
+    relational decoding op gives the eager backend's tokens and scores."""
+    without_step(monkeypatch)
     overrides, padded = GENERATION_CASES[case]
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(**overrides)).eval()
@@ -650,3 +661,116 @@ def test_decoding_symbols_take_the_one_op(loaded, monkeypatch):
         assert accepts(large, torch.randn(1, 1, 64), large.symbol_library)  # one row: one pass over the tables
         assert not accepts(large, torch.randn(2, 1, 64), large.symbol_library)  # rows: the reference's products
     assert not accepts(module, x, library)  # gradients
+
+
+# ---- a dual-attention layer's decoding step in one op ------------------------------------------------------------
+STEP_CASES = {
+    "default": dict(),
+    "gqa": dict(num_relational_key_value_heads=1, num_sensory_key_value_heads=1),
+    "symmetric-relations": dict(symmetric_relations=True),
+    "positional-symbols": dict(symbol_retrieval="positional"),
+    "learned-positions": dict(position_embedding_type="learned"),
+    "output-and-symbol-biases": dict(attention_out_bias=True),
+}
+
+
+def greedy_with_and_without(model, ids, steps=8, **kwargs):
+    """Greedy generation with the registered kernels and with the decoding-step kernel removed -> (sequences, logits)
+    of each, and the decoding-step op's calls."""
+    calls, original = [], kernel.decoding_step_op
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "decoding_step_op", lambda *args: calls.append(args[0].shape) or original(*args))
+        got = model.generate(ids, max_new_tokens=steps, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+        without_step(patch)
+        expected = model.generate(ids, max_new_tokens=steps, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, **kwargs)
+    return got, expected, calls
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoding_step_op_gives_the_layer_by_layer_step(case, batch, loaded):
+    """Greedy generation whose decoding steps run each dual-attention layer as one op (projections, RoPE, symbol
+    values, the cache write, both head types, output projections) gives the tokens and logits of the layer computed
+    part by part, for GQA, symmetric relations, positional symbols, learned positions and output biases."""
+    assert registered_kernels("dual_attention_step") == [kernel.cpu_decoding_step]
+    torch.manual_seed(0)
+    config = tiny_config(initializer_range=0.2, **STEP_CASES[case])
+    model = DATForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, 12))
+    got, expected, calls = greedy_with_and_without(model, ids)
+    assert calls == [(batch, config.hidden_size)] * (7 * config.num_hidden_layers)  # every decoding step, every layer
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, reference in zip(got.logits, expected.logits):
+        torch.testing.assert_close(step, reference, rtol=1e-5, atol=1e-5)
+    assert model.model.layers[0].dual_attn.relational.relational_attention_backend == "cpu"
+
+
+FALLBACK_CASES = {  # what the step needs that the case lacks -> (config overrides, generate arguments)
+    "padding (an explicit mask)": (dict(), "padded"),
+    "a sliding window (a ring cache layer)": (dict(relational_bias="sliding_window", sliding_window_size=4), None),
+    "a requested relational backend": (dict(relational_attn_implementation="eager"), None),
+    "eager sensory heads": (dict(attn_implementation="eager"), None),
+    "relative symbols": (dict(symbol_retrieval="position_relative"), None),
+    "shared query and key projections": (dict(share_attention_params=True), None),
+    "biased input projections": (dict(attention_bias=True), None),
+    "a relation activation": (dict(relation_activation="relu"), None),
+    "a static cache": (dict(), "static"),
+    "a hooked projection (PEFT, accelerate)": (dict(), "hook"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACK_CASES))
+def test_decoding_step_op_leaves_other_steps_to_the_layer(case, loaded):
+    """A step the one op does not cover runs part by part: no call, the same generation."""
+    overrides, how = FALLBACK_CASES[case]
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(initializer_range=0.2, **overrides)).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 10))
+    kwargs = {}
+    if how == "padded":
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["attention_mask"][0, :3] = 0
+    elif how == "static":
+        kwargs["cache_implementation"] = "static"
+    elif how == "hook":
+        model.model.layers[1].dual_attn.relational.q_rel_proj.register_forward_hook(lambda *args: None)
+    got, expected, calls = greedy_with_and_without(model, ids, steps=4, **kwargs)
+    if how == "hook":  # (the other layer still takes the op)
+        assert calls == [(2, model.config.hidden_size)] * 3
+    else:
+        assert calls == []
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_decoding_step_op_threads_and_bad_inputs(loaded):
+    """Two threads give the one-thread result (and cache write) exactly; inputs that do not fit name the problem."""
+    torch.manual_seed(0)
+    model = DATForCausalLM(tiny_config(initializer_range=0.2)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 9))
+    recorded, original = [], kernel.decoding_step_op
+
+    def record(*args):
+        recorded.append([arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args])
+        return original(*args)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel, "decoding_step_op", record)
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    args = recorded[-1]  # (the buffers as they were before the call)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            call = [arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args]
+            results.append((original(*call), call[7], call[8]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(RuntimeError, match=r"the input projections give \d+ features, the heads need \d+"):
+        original(args[0], args[1][:-1], *args[2:])
+    with pytest.raises(RuntimeError, match=r"do not fit the cache buffers"):
+        original(*args[:9], args[7].shape[2], *args[10:])  # no room after the last slot
+    with pytest.raises(RuntimeError, match=r"the symbol projection must give"):
+        original(*args[:3], args[3][:-1], *args[4:])

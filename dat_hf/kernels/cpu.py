@@ -25,8 +25,10 @@ once, instead of one matrix-vector product per projection.
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
+from transformers.cache_utils import DynamicCache
 
 from .. import dual_attention
+from ..cache_dat import InPlaceCacheLayer
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
@@ -78,6 +80,12 @@ def _register_python_side():
     @torch.library.register_fake("dat_hf::symbolic_attention")
     def _symbolic_attention_fake(x, weight, bias, templates, library, heads, scale):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("dat_hf::dual_attention_decode")
+    def _decoding_step_fake(x, in_weights, symbols, symbol_weight, symbol_bias, cos, sin, key_buffer, value_buffer,
+                            length, relation_proj, o_s_weight, o_s_bias, o_r_weight, o_r_bias, heads, scalings,
+                            symmetric):
+        return x.new_empty(x.shape[0], o_s_weight.shape[0] + o_r_weight.shape[0])
 
     @torch.library.register_fake("dat_hf::swiglu_forward")
     def _swiglu_fake(gate, up):
@@ -300,6 +308,100 @@ def accepts_symbolic_attention(module, hidden_states, library) -> bool:
     return True
 
 
+# ---- a dual-attention layer's decoding step -----------------------------------------------------------------------
+def cpu_decoding_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                      **kwargs):
+    """`dual_attention.fused_decoding_step` in one op (`dual_attention_decode`): the input projections, RoPE, the
+    symbol values, the new token written into the in-place cache layer's buffers, both head types over every cached
+    token, both output projections -> (output `[b, 1, (h_s + h_r) d_h]`, None, None)."""
+    sensory, relational = module.sensory, module.relational
+    layer = cache.layers[module.layer_idx]
+    key_buffer, value_buffer = layer._buffers
+    length, b, d = layer._length, hidden_states.shape[0], hidden_states.shape[-1]
+    cos = sin = None
+    if position_embeddings is not None:
+        cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in position_embeddings)
+    symbol_proj, o_s, o_r = relational._modules["symbol_proj"], sensory._modules["o_proj"], relational._modules["o_proj"]
+    out = decoding_step_op(
+        hidden_states.reshape(b, d).contiguous(),
+        [linear._parameters["weight"] for linear in dual_attention.head_linears(
+            sensory, relational, module.input_projections.projections)],
+        symbols.reshape(-1, d).contiguous(), symbol_proj._parameters["weight"], symbol_proj._parameters["bias"], cos,
+        sin, key_buffer, value_buffer, length, relational._parameters["relation_proj"], o_s._parameters["weight"],
+        o_s._parameters["bias"], o_r._parameters["weight"], o_r._parameters["bias"],
+        [sensory.num_heads, sensory.num_kv_heads, relational.num_heads, relational.num_kv_heads,
+         relational.num_relations, relational.relation_dim],
+        [sensory.scaling, relational.scaling, relational.relation_scaling], relational.symmetric_relations)
+    layer._length = total = length + 1
+    layer.keys, layer.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+    if relational.__dict__.get("relational_attention_backend") != relational_plan.name:
+        relational.relational_attention_backend = relational_plan.name
+    return out.view(b, 1, -1), None, None
+
+
+def decoding_step_op(x, in_weights, symbols, symbol_weight, symbol_bias, cos, sin, key_buffer, value_buffer,
+                     length: int, relation_proj, o_s_weight, o_s_bias, o_r_weight, o_r_bias, heads, scalings,
+                     symmetric: bool):
+    """One decoding step of a dual-attention layer (no autograd; see `csrc/projections.cpp`): x `[b, d]`, the fused
+    input projections' weights, symbols `[b|1, d]`, cos, sin `[b|1, d_h]` or None, the in-place cache's buffers
+    (written at slot `length`), W_r, the output projections; heads `[h_s, h_kv_s, h_r, h_kv_r, R, d_r]`, scalings
+    `[sensory, relational, relation]` -> `[b, (h_s + h_r) d_h]`."""
+    return torch.ops.dat_hf.dual_attention_decode(x, in_weights, symbols, symbol_weight, symbol_bias, cos, sin,
+                                                  key_buffer, value_buffer, length, relation_proj, o_s_weight,
+                                                  o_s_bias, o_r_weight, o_r_bias, heads, scalings, symmetric)
+
+
+def _plain_weights(linears, biases: bool) -> bool:
+    for linear in linears:
+        if not dual_attention.is_plain_linear(linear):
+            return False
+        parameters = linear._parameters
+        for t in (parameters["weight"], parameters["bias"]):
+            if t is None:
+                continue
+            if not (biases or t is parameters["weight"]) or not (
+                    type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()):
+                return False
+    return True
+
+
+def accepts_decoding_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                          **kwargs) -> bool:
+    """One new token per row without gradients, dropout or returned weights, float32 on CPU, in an in-place dynamic
+    cache layer with room; both head types (own projections, symbols per sender, identity relations) whose plans are
+    the automatic CPU ones (`sdpa` sensory heads, the `cpu` relational backend) over implicit masks (every cached
+    token visible); plain bias-free input projections and plain weights. (Checked at every layer call.)"""
+    if not (hidden_states.shape[1] == 1 and hidden_states.is_cpu and hidden_states.dtype == torch.float32
+            and type(cache) is DynamicCache and not torch.is_grad_enabled() and not kwargs.get("output_attentions")
+            and not torch.compiler.is_compiling() and load_cpu_kernel()):
+        return False
+    sensory, relational = module.sensory, module.relational
+    if (sensory is None or relational is None or module.share_qk or relational.relative_symbols
+            or relational.relation_act is not None or (module.training and sensory.attention_dropout > 0)):
+        return False
+    if not (sensory_plan.name == "sdpa" and relational_plan.name == "cpu" and not relational_plan.per_request
+            and sensory_plan.source.implicit and relational_plan.source.implicit):
+        return False
+    layers = cache.layers
+    layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+    if type(layer) is not InPlaceCacheLayer or not layer.has_room_for(hidden_states.shape[0], 1,
+                                                                      module.packed, hidden_states.dtype):
+        return False
+    if symbols is None or symbols.dtype != torch.float32 or symbols.shape[1] != 1 or not symbols.is_cpu:
+        return False
+    if position_embeddings is not None and not all(
+            t.dtype == torch.float32 and t.is_cpu and t.shape[1] == 1 for t in position_embeddings):
+        return False
+    relation_proj = relational._parameters["relation_proj"]
+    if not (type(relation_proj) in _PLAIN_TENSORS and relation_proj.dtype == torch.float32 and relation_proj.is_cpu
+            and relation_proj.is_contiguous()):
+        return False
+    return (_plain_weights(dual_attention.head_linears(sensory, relational, module.input_projections.projections),
+                           biases=False)
+            and _plain_weights([relational._modules["symbol_proj"], sensory._modules["o_proj"],
+                                relational._modules["o_proj"]], biases=True))
+
+
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
 def swiglu_op(gate, up):
     """`silu(gate) * up` in one pass (no autograd): float32 CPU tensors of one shape -> that shape."""
@@ -325,8 +427,10 @@ def register():
     register_kernel("rotary", cpu_rotary, accepts_rotary)
     register_kernel("fused_linear", cpu_fused_linear, accepts_fused_linear)
     register_kernel("symbolic_attention", cpu_symbolic_attention, accepts_symbolic_attention)
+    register_kernel("dual_attention_step", cpu_decoding_step, accepts_decoding_step)
 
 
-__all__ = ["cpu_relational_attention", "cpu_symbolic_attention", "symbolic_attention_op", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
+__all__ = ["cpu_decoding_step", "cpu_relational_attention", "cpu_symbolic_attention", "decoding_step_op",
+           "symbolic_attention_op", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
            "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel",
            "cpu_kernel_ready"]
