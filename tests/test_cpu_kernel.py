@@ -623,8 +623,8 @@ def test_symbolic_attention_op_matches_the_reference_in_fp64(d, heads, symbols, 
 
 def test_decoding_symbols_take_the_one_op(loaded, monkeypatch):
     """Without gradients, a float32 decoding step retrieves each layer's symbols with the registered op, and its
-    logits match the reference's; a hooked or wrapped query projection, gradients, dropout in training, long inputs,
-    several rows over large tables and other dtypes keep the reference."""
+    logits match the reference's; a hooked or wrapped query projection, gradients, dropout in training, more rows
+    than `SYMBOLIC_OP_MAX_ROWS`, several rows over large tables and other dtypes keep the reference."""
     assert registered_kernels("symbolic_attention") == [kernel.cpu_symbolic_attention]
     torch.manual_seed(0)
     config = tiny_config(symbol_retrieval="symbolic_attention", shared_symbol_retriever=False)
@@ -646,7 +646,8 @@ def test_decoding_symbols_take_the_one_op(loaded, monkeypatch):
     accepts = kernel.accepts_symbolic_attention
     with torch.no_grad():
         assert accepts(module, x, library)
-        assert not accepts(module, torch.randn(1, da.FUSED_PROJECTION_MIN_ROWS, config.hidden_size), library)
+        assert accepts(module, torch.randn(1, kernel.SYMBOLIC_OP_MAX_ROWS, config.hidden_size), library)
+        assert not accepts(module, torch.randn(1, kernel.SYMBOLIC_OP_MAX_ROWS + 1, config.hidden_size), library)
         assert not accepts(module, x.double(), library)
         hook = module.q_proj.register_forward_hook(lambda *args: None)
         assert not accepts(module, x, library)

@@ -279,22 +279,23 @@ def symbolic_attention_op(x, weight, bias, templates, library, heads: int, scale
     return torch.ops.dat_hf.symbolic_attention(x, weight, bias, templates, library, heads, scale)
 
 
-# above this many template elements (256 KB) the op takes one row at a time: its loops re-read the tables per row,
-# where the reference's matrix products share them
+# the op's loops re-read the tables for each row, where the reference's matrix products share them: it takes at most
+# this many rows (measured: 13 against 26 us at 1 row, 25 against 30 at 4, 45 against 33 at 8; d=128, 64 symbols), and
+# one row over tables of more than `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements (256 KB)
+SYMBOLIC_OP_MAX_ROWS = 4
 SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS = 1 << 16
 
 
 def accepts_symbolic_attention(module, hidden_states, library) -> bool:
-    """Decoding inputs without gradients or dropout, float32 on CPU (one row, or fewer than `FUSED_PROJECTION_MIN_ROWS`
-    over tables of at most `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements), a plain query projection (no hooks, PEFT or
+    """Decoding inputs without gradients or dropout, float32 on CPU (up to `SYMBOLIC_OP_MAX_ROWS` rows, one over
+    tables of more than `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements), a plain query projection (no hooks, PEFT or
     tensor subclass) and plain contiguous templates and library. (Checked at every decoding step of every layer.)"""
     if not (hidden_states.is_cpu and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and load_cpu_kernel()):
         return False
     rows = hidden_states.numel() // hidden_states.shape[-1]
     templates = module.template_features
-    if rows > 1 and (rows >= dual_attention.FUSED_PROJECTION_MIN_ROWS
-                     or templates.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
+    if rows > 1 and (rows > SYMBOLIC_OP_MAX_ROWS or templates.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
         return False
     q_proj = module.q_proj
     if (module.training and module.dropout > 0) or not dual_attention.is_plain_linear(q_proj):
