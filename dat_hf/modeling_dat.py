@@ -132,6 +132,10 @@ class DATDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, **kwargs):
+        step = fused_layer_step(self, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan,
+                                cache, **kwargs)
+        if step is not None:  # a registered kernel took the whole step
+            return step
         dropout = self.dropout if self.training else _identity  # (in eval a module call that returns its input)
 
         def attend(x):
@@ -150,6 +154,14 @@ class DATDecoderLayer(GradientCheckpointingLayer):
 
 def _identity(x):
     return x
+
+
+@replaceable("layer_step")
+def fused_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                     **kwargs):
+    """A decoding step of `layer` (a `DATDecoderLayer`) as one kernel: its output, or None (the reference: no kernel
+    takes this step, the layer computes it part by part)."""
+    return None
 
 
 def init_positions(module, config):

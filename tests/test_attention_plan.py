@@ -66,10 +66,11 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
 
     model = DATForCausalLM(tiny(attn_implementation="sdpa")).eval()
     builds, build = [], attention_plan.AttentionPlan.build.__func__
-    kernels = {name: entries for name, entries in kernel_hooks._KERNELS.items() if name != "dual_attention_step"}
+    kernels = {name: entries for name, entries in kernel_hooks._KERNELS.items()
+               if name not in ("layer_step", "dual_attention_step")}
 
     def watch_builds():
-        # (the layers' decoding-step op, which takes the steps without the backends' functions, set aside)
+        # (the decoding-step ops, which take the steps without the backends' functions, set aside)
         monkeypatch.setattr(kernel_hooks, "_KERNELS", kernels)
         monkeypatch.setattr(attention_plan.AttentionPlan, "build",
                             classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))

@@ -369,13 +369,6 @@ def greedy(model, prompt, **kwargs):
     return out.sequences, torch.stack(out.scores)
 
 
-def without_step(monkeypatch):
-    """The registered kernels without the dual-attention layer's decoding-step op (its layers then call the
-    relational backend)."""
-    monkeypatch.setattr(kernel_hooks, "_KERNELS", {name: entries for name, entries in kernel_hooks._KERNELS.items()
-                                                   if name != "dual_attention_step"})
-
-
 GENERATION_CASES = {
     "default": (dict(), False),
     "gqa": (dict(num_relational_key_value_heads=1, num_relations=3, relation_dim=5), False),
@@ -386,8 +379,8 @@ GENERATION_CASES = {
 
 @pytest.mark.parametrize("case", list(GENERATION_CASES))
 def test_generation_with_decode_op_equals_reference(case, loaded, monkeypatch):
-    """Through the relational backend (the layers' decoding-step op set aside), greedy generation over the
-    relational decoding op gives the eager backend's tokens and scores."""
+    """Through the relational backend (the decoding-step ops set aside), greedy generation over the relational
+    decoding op gives the eager backend's tokens and scores."""
     without_step(monkeypatch)
     overrides, padded = GENERATION_CASES[case]
     torch.manual_seed(0)
@@ -664,7 +657,7 @@ def test_decoding_symbols_take_the_one_op(loaded, monkeypatch):
     assert not accepts(module, x, library)  # gradients
 
 
-# ---- a dual-attention layer's decoding step in one op ------------------------------------------------------------
+# ---- a decoder layer's (or its dual attention's) decoding step in one op ---------------------------------------------
 STEP_CASES = {
     "default": dict(),
     "gqa": dict(num_relational_key_value_heads=1, num_sensory_key_value_heads=1),
@@ -673,14 +666,26 @@ STEP_CASES = {
     "learned-positions": dict(position_embedding_type="learned"),
     "output-and-symbol-biases": dict(attention_out_bias=True),
 }
+STEP_KERNELS = ("layer_step", "dual_attention_step")
+STEP_OPS = {"layer_step": "layer_step_op", "dual_attention_step": "decoding_step_op"}
 
 
-def greedy_with_and_without(model, ids, steps=8, **kwargs):
-    """Greedy generation with the registered kernels and with the decoding-step kernel removed -> (sequences, logits)
-    of each, and the decoding-step op's calls."""
-    calls, original = [], kernel.decoding_step_op
+def without_step(monkeypatch, names=STEP_KERNELS):
+    """The registered kernels without the decoding-step ops `names` (the layers then compute those steps part by
+    part)."""
+    monkeypatch.setattr(kernel_hooks, "_KERNELS", {name: entries for name, entries in kernel_hooks._KERNELS.items()
+                                                   if name not in names})
+
+
+def greedy_with_and_without(model, ids, steps=8, aside=(), **kwargs):
+    """Greedy generation with the registered kernels (less those in `aside`) and with neither decoding-step op ->
+    (sequences and logits of each, {op: its calls' row shapes})."""
+    calls = {name: [] for name in STEP_OPS.values()}
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "decoding_step_op", lambda *args: calls.append(args[0].shape) or original(*args))
+        for name in calls:
+            original = getattr(kernel, name)
+            patch.setattr(kernel, name, lambda *args, _o=original, _n=name: calls[_n].append(args[0].shape) or _o(*args))
+        without_step(patch, aside)
         got = model.generate(ids, max_new_tokens=steps, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, **kwargs)
         without_step(patch)
@@ -691,41 +696,52 @@ def greedy_with_and_without(model, ids, steps=8, **kwargs):
 
 @pytest.mark.parametrize("case", list(STEP_CASES))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decoding_step_op_gives_the_layer_by_layer_step(case, batch, loaded):
-    """Greedy generation whose decoding steps run each dual-attention layer as one op (projections, RoPE, symbol
-    values, the cache write, both head types, output projections) gives the tokens and logits of the layer computed
-    part by part, for GQA, symmetric relations, positional symbols, learned positions and output biases."""
-    assert registered_kernels("dual_attention_step") == [kernel.cpu_decoding_step]
+@pytest.mark.parametrize("level", STEP_KERNELS)
+def test_decoding_step_op_gives_the_layer_by_layer_step(case, batch, level, loaded):
+    """Greedy generation whose decoding steps run each decoder layer (norms, dual attention, residuals, SwiGLU MLP)
+    or each dual attention (projections, RoPE, symbol values, the cache write, both head types, output projections)
+    as one op gives the tokens and logits of the layer computed part by part, for GQA, symmetric relations,
+    positional symbols, learned positions and output biases."""
+    assert registered_kernels(level) == [getattr(kernel, {"layer_step": "cpu_layer_step",
+                                                          "dual_attention_step": "cpu_decoding_step"}[level])]
     torch.manual_seed(0)
     config = tiny_config(initializer_range=0.2, **STEP_CASES[case])
     model = DATForCausalLM(config).eval()
     ids = torch.randint(0, config.vocab_size, (batch, 12))
-    got, expected, calls = greedy_with_and_without(model, ids)
-    assert calls == [(batch, config.hidden_size)] * (7 * config.num_hidden_layers)  # every decoding step, every layer
+    got, expected, calls = greedy_with_and_without(model, ids, aside=() if level == "layer_step" else ("layer_step",))
+    assert calls == {op: [(batch, config.hidden_size)] * (7 * config.num_hidden_layers) if name == level else []
+                     for name, op in STEP_OPS.items()}  # every decoding step, every layer, at one level
     assert torch.equal(got.sequences, expected.sequences)
     for step, reference in zip(got.logits, expected.logits):
         torch.testing.assert_close(step, reference, rtol=1e-5, atol=1e-5)
     assert model.model.layers[0].dual_attn.relational.relational_attention_backend == "cpu"
 
 
-FALLBACK_CASES = {  # what the step needs that the case lacks -> (config overrides, generate arguments)
-    "padding (an explicit mask)": (dict(), "padded"),
-    "a sliding window (a ring cache layer)": (dict(relational_bias="sliding_window", sliding_window_size=4), None),
-    "a requested relational backend": (dict(relational_attn_implementation="eager"), None),
-    "eager sensory heads": (dict(attn_implementation="eager"), None),
-    "relative symbols": (dict(symbol_retrieval="position_relative"), None),
-    "shared query and key projections": (dict(share_attention_params=True), None),
-    "biased input projections": (dict(attention_bias=True), None),
-    "a relation activation": (dict(relation_activation="relu"), None),
-    "a static cache": (dict(), "static"),
-    "a hooked projection (PEFT, accelerate)": (dict(), "hook"),
+FALLBACK_CASES = {  # what the step needs that the case lacks -> (config overrides, generate arguments, level still taken)
+    "padding (an explicit mask)": (dict(), "padded", None),
+    "a sliding window (a ring cache layer)": (dict(relational_bias="sliding_window", sliding_window_size=4), None,
+                                              None),
+    "a requested relational backend": (dict(relational_attn_implementation="eager"), None, None),
+    "eager sensory heads": (dict(attn_implementation="eager"), None, None),
+    "relative symbols": (dict(symbol_retrieval="position_relative"), None, None),
+    "shared query and key projections": (dict(share_attention_params=True), None, None),
+    "biased input projections": (dict(attention_bias=True), None, None),
+    "a relation activation": (dict(relation_activation="relu"), None, None),
+    "a static cache": (dict(), "static", None),
+    "a hooked attention projection (PEFT, accelerate)": (dict(), "hook-attention", None),
+    "layer norms": (dict(norm_type="layernorm"), None, "dual_attention_step"),
+    "post-norm layers": (dict(pre_norm=False), None, "dual_attention_step"),
+    "an MLP without a gate": (dict(hidden_act="gelu"), None, "dual_attention_step"),
+    "MLP biases": (dict(mlp_bias=True), None, "dual_attention_step"),
+    "a hooked MLP projection": (dict(), "hook-mlp", "dual_attention_step"),
 }
 
 
 @pytest.mark.parametrize("case", list(FALLBACK_CASES))
-def test_decoding_step_op_leaves_other_steps_to_the_layer(case, loaded):
-    """A step the one op does not cover runs part by part: no call, the same generation."""
-    overrides, how = FALLBACK_CASES[case]
+def test_decoding_step_ops_leave_other_steps_to_the_layer(case, loaded):
+    """A step an op does not cover runs part by part (or, where only the layer's norms or MLP stop it, through the
+    dual attention's op): the same generation."""
+    overrides, how, taken = FALLBACK_CASES[case]
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(initializer_range=0.2, **overrides)).eval()
     ids = torch.randint(1, model.config.vocab_size, (2, 10))
@@ -735,43 +751,58 @@ def test_decoding_step_op_leaves_other_steps_to_the_layer(case, loaded):
         kwargs["attention_mask"][0, :3] = 0
     elif how == "static":
         kwargs["cache_implementation"] = "static"
-    elif how == "hook":
+    elif how == "hook-attention":
         model.model.layers[1].dual_attn.relational.q_rel_proj.register_forward_hook(lambda *args: None)
+    elif how == "hook-mlp":
+        model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *args: None)
     got, expected, calls = greedy_with_and_without(model, ids, steps=4, **kwargs)
-    if how == "hook":  # (the other layer still takes the op)
-        assert calls == [(2, model.config.hidden_size)] * 3
+    row = (2, model.config.hidden_size)
+    if how == "hook-attention":  # (layer 0 still takes the layer's op)
+        assert calls == {"layer_step_op": [row] * 3, "decoding_step_op": []}
+    elif how == "hook-mlp":  # (layer 0 the layer's op, layer 1 its dual attention's)
+        assert calls == {"layer_step_op": [row] * 3, "decoding_step_op": [row] * 3}
     else:
-        assert calls == []
+        layers = model.config.num_hidden_layers
+        assert calls == {op: [row] * (3 * layers) if name == taken else [] for name, op in STEP_OPS.items()}
     assert torch.equal(got.sequences, expected.sequences)
 
 
-def test_decoding_step_op_threads_and_bad_inputs(loaded):
+@pytest.mark.parametrize("level", STEP_KERNELS)
+def test_decoding_step_ops_threads_and_bad_inputs(level, loaded):
     """Two threads give the one-thread result (and cache write) exactly; inputs that do not fit name the problem."""
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(initializer_range=0.2)).eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 9))
-    recorded, original = [], kernel.decoding_step_op
+    op = STEP_OPS[level]
+    recorded, original = [], getattr(kernel, op)
 
     def record(*args):
         recorded.append([arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args])
         return original(*args)
 
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernel, "decoding_step_op", record)
+        patch.setattr(kernel, op, record)
+        without_step(patch, () if level == "layer_step" else ("layer_step",))
         model.generate(ids, max_new_tokens=3, do_sample=False)
     args = recorded[-1]  # (the buffers as they were before the call)
+    at = 2 if level == "layer_step" else 0  # (the layer op takes the input norm's weight and eps after x)
     threads, results = torch.get_num_threads(), []
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
             call = [arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args]
-            results.append((original(*call), call[7], call[8]))
+            results.append((original(*call), call[at + 7], call[at + 8]))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results))
     with pytest.raises(RuntimeError, match=r"the input projections give \d+ features, the heads need \d+"):
-        original(args[0], args[1][:-1], *args[2:])
+        original(*args[:at + 1], args[at + 1][:-1], *args[at + 2:])
     with pytest.raises(RuntimeError, match=r"do not fit the cache buffers"):
-        original(*args[:9], args[7].shape[2], *args[10:])  # no room after the last slot
+        original(*args[:at + 9], args[at + 7].shape[2], *args[at + 10:])  # no room after the last slot
     with pytest.raises(RuntimeError, match=r"the symbol projection must give"):
-        original(*args[:3], args[3][:-1], *args[4:])
+        original(*args[:at + 3], args[at + 3][:-1], *args[at + 4:])
+    if level == "layer_step":
+        with pytest.raises(RuntimeError, match=r"the MLP's weights must be \[f, d\], \[f, d\] and \[d, f\]"):
+            original(*args[:-2], args[-2][:-1], args[-1])
+        with pytest.raises(RuntimeError, match=r"a norm weight must be a contiguous float32 CPU tensor"):
+            original(args[0], args[1][:-1], *args[2:])

@@ -87,6 +87,10 @@ def _register_python_side():
                             symmetric):
         return x.new_empty(x.shape[0], o_s_weight.shape[0] + o_r_weight.shape[0])
 
+    @torch.library.register_fake("dat_hf::decoder_layer_decode")
+    def _layer_step_fake(x, *args):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("dat_hf::swiglu_forward")
     def _swiglu_fake(gate, up):
         return gate.new_empty(gate.shape)
@@ -315,29 +319,64 @@ def cpu_decoding_step(module, hidden_states, symbols, position_embeddings, senso
     """`dual_attention.fused_decoding_step` in one op (`dual_attention_decode`): the input projections, RoPE, the
     symbol values, the new token written into the in-place cache layer's buffers, both head types over every cached
     token, both output projections -> (output `[b, 1, (h_s + h_r) d_h]`, None, None)."""
+    b, d = hidden_states.shape[0], hidden_states.shape[-1]
+    out = decoding_step_op(hidden_states.reshape(b, d).contiguous(),
+                           *_step_arguments(module, symbols, position_embeddings, cache))
+    _advance(module, relational_plan, cache)
+    return out.view(b, 1, -1), None, None
+
+
+def _step_arguments(module, symbols, position_embeddings, cache) -> list:
+    """The arguments of `decoding_step_op` after x, for the `DualAttention` `module`."""
     sensory, relational = module.sensory, module.relational
-    layer = cache.layers[module.layer_idx]
-    key_buffer, value_buffer = layer._buffers
-    length, b, d = layer._length, hidden_states.shape[0], hidden_states.shape[-1]
+    key_buffer, value_buffer = cache.layers[module.layer_idx]._buffers
     cos = sin = None
     if position_embeddings is not None:
         cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in position_embeddings)
     symbol_proj, o_s, o_r = relational._modules["symbol_proj"], sensory._modules["o_proj"], relational._modules["o_proj"]
-    out = decoding_step_op(
-        hidden_states.reshape(b, d).contiguous(),
-        [linear._parameters["weight"] for linear in dual_attention.head_linears(
-            sensory, relational, module.input_projections.projections)],
-        symbols.reshape(-1, d).contiguous(), symbol_proj._parameters["weight"], symbol_proj._parameters["bias"], cos,
-        sin, key_buffer, value_buffer, length, relational._parameters["relation_proj"], o_s._parameters["weight"],
-        o_s._parameters["bias"], o_r._parameters["weight"], o_r._parameters["bias"],
-        [sensory.num_heads, sensory.num_kv_heads, relational.num_heads, relational.num_kv_heads,
-         relational.num_relations, relational.relation_dim],
-        [sensory.scaling, relational.scaling, relational.relation_scaling], relational.symmetric_relations)
-    layer._length = total = length + 1
+    return [[linear._parameters["weight"] for linear in dual_attention.head_linears(
+                sensory, relational, module.input_projections.projections)],
+            symbols.reshape(-1, symbols.shape[-1]).contiguous(), symbol_proj._parameters["weight"],
+            symbol_proj._parameters["bias"], cos, sin, key_buffer, value_buffer, cache.layers[module.layer_idx]._length,
+            relational._parameters["relation_proj"], o_s._parameters["weight"], o_s._parameters["bias"],
+            o_r._parameters["weight"], o_r._parameters["bias"],
+            [sensory.num_heads, sensory.num_kv_heads, relational.num_heads, relational.num_kv_heads,
+             relational.num_relations, relational.relation_dim],
+            [sensory.scaling, relational.scaling, relational.relation_scaling], relational.symmetric_relations]
+
+
+def _advance(module, relational_plan, cache):
+    """After the op wrote one token into the in-place layer's buffers: its length, keys and values views, and the
+    relational backend's record."""
+    layer = cache.layers[module.layer_idx]
+    key_buffer, value_buffer = layer._buffers
+    layer._length = total = layer._length + 1
     layer.keys, layer.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+    relational = module.relational
     if relational.__dict__.get("relational_attention_backend") != relational_plan.name:
         relational.relational_attention_backend = relational_plan.name
-    return out.view(b, 1, -1), None, None
+
+
+def cpu_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                   **kwargs):
+    """`modeling_dat.fused_layer_step` in one op (`decoder_layer_decode`): a pre-norm decoder layer's RMSNorms,
+    dual attention (as `cpu_decoding_step`), residuals and SwiGLU MLP. hidden_states `[b, 1, d]` -> `[b, 1, d]`."""
+    b, d = hidden_states.shape[0], hidden_states.shape[-1]
+    attention, mlp = layer.dual_attn, layer._modules["mlp"]
+    input_norm, post_norm = layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]
+    out = layer_step_op(hidden_states.reshape(b, d).contiguous(), input_norm._parameters["weight"], input_norm.eps,
+                        *_step_arguments(attention, symbols, position_embeddings, cache),
+                        post_norm._parameters["weight"], post_norm.eps,
+                        *(mlp._modules[name]._parameters["weight"] for name in ("gate_proj", "up_proj", "down_proj")))
+    _advance(attention, relational_plan, cache)
+    return out.view(b, 1, d)
+
+
+def layer_step_op(x, input_norm, input_eps, *args):
+    """One decoding step of a pre-norm decoder layer with a SwiGLU MLP (no autograd; see `csrc/projections.cpp`): x
+    `[b, d]`, the input norm's weight and eps, `decoding_step_op`'s arguments after x, the post-attention norm's
+    weight and eps, the gate, up and down weights -> `[b, d]`."""
+    return torch.ops.dat_hf.decoder_layer_decode(x, input_norm, input_eps, *args)
 
 
 def decoding_step_op(x, in_weights, symbols, symbol_weight, symbol_bias, cos, sin, key_buffer, value_buffer,
@@ -353,16 +392,14 @@ def decoding_step_op(x, in_weights, symbols, symbol_weight, symbol_bias, cos, si
 
 
 def _plain_weights(linears, biases: bool) -> bool:
+    """Plain, unhooked linears with plain float32 contiguous CPU weights (and biases, when `biases`, else none)."""
     for linear in linears:
         if not dual_attention.is_plain_linear(linear):
             return False
         parameters = linear._parameters
-        for t in (parameters["weight"], parameters["bias"]):
-            if t is None:
-                continue
-            if not (biases or t is parameters["weight"]) or not (
-                    type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()):
-                return False
+        bias = parameters["bias"]
+        if not _plain_tensor(parameters["weight"]) or (bias is not None and not (biases and _plain_tensor(bias))):
+            return False
     return True
 
 
@@ -403,6 +440,33 @@ def accepts_decoding_step(module, hidden_states, symbols, position_embeddings, s
                                 relational._modules["o_proj"]], biases=True))
 
 
+def accepts_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                       **kwargs) -> bool:
+    """A pre-norm layer with RMSNorms and a plain bias-free SwiGLU MLP (no hooks on them), in eval mode or without
+    dropout, whose dual attention takes `accepts_decoding_step`."""
+    from ..modeling_dat import DATMLP, DATRMSNorm
+
+    if not (hidden_states.shape[1] == 1 and layer.pre_norm and (not layer.training or layer.dropout.p == 0)):
+        return False
+    modules = layer._modules
+    norms, mlp = (modules["input_layernorm"], modules["post_attention_layernorm"]), modules["mlp"]
+    if not (type(mlp) is DATMLP and mlp.gated and type(mlp.act_fn) is SiLUActivation and _unhooked(mlp)
+            and all(type(norm) is DATRMSNorm and _unhooked(norm) and _plain_tensor(norm._parameters["weight"])
+                    for norm in norms)):
+        return False
+    return (_plain_weights([mlp._modules[name] for name in ("gate_proj", "up_proj", "down_proj")], biases=False)
+            and accepts_decoding_step(layer.dual_attn, hidden_states, symbols, position_embeddings, sensory_plan,
+                                      relational_plan, cache, **kwargs))
+
+
+def _unhooked(module) -> bool:
+    return not (module._forward_hooks or module._forward_pre_hooks) and "forward" not in module.__dict__
+
+
+def _plain_tensor(t) -> bool:
+    return type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
+
+
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
 def swiglu_op(gate, up):
     """`silu(gate) * up` in one pass (no autograd): float32 CPU tensors of one shape -> that shape."""
@@ -429,9 +493,11 @@ def register():
     register_kernel("fused_linear", cpu_fused_linear, accepts_fused_linear)
     register_kernel("symbolic_attention", cpu_symbolic_attention, accepts_symbolic_attention)
     register_kernel("dual_attention_step", cpu_decoding_step, accepts_decoding_step)
+    register_kernel("layer_step", cpu_layer_step, accepts_layer_step)
 
 
-__all__ = ["cpu_decoding_step", "cpu_relational_attention", "cpu_symbolic_attention", "decoding_step_op",
+__all__ = ["cpu_decoding_step", "cpu_layer_step", "cpu_relational_attention", "cpu_symbolic_attention",
+           "decoding_step_op", "layer_step_op",
            "symbolic_attention_op", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
            "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel",
            "cpu_kernel_ready"]

@@ -337,6 +337,67 @@ at::Tensor dual_attention_decode(const at::Tensor& x, const std::vector<at::Tens
   return out;
 }
 
+// rows of x [b, d] -> x / rms(x) * w (float32), as the model's RMSNorm
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, const char* op) {
+  const int64_t b = x.size(0), d = x.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == d && w.is_contiguous() && w.scalar_type() == at::kFloat &&
+              w.device().is_cpu(), op, ": a norm weight must be a contiguous float32 CPU tensor [", d, "], got ",
+              w.sizes());
+  auto out = at::empty({b, d}, x.options());
+  const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  for (int64_t r = 0; r < b; ++r) {
+    const float* xr = X + r * d;
+    const float scale = 1.f / std::sqrt(dot(xr, xr, d) / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t e = 0; e < d; ++e) O[r * d + e] = xr[e] * scale * W[e];
+  }
+  return out;
+}
+
+// One decoding step of a pre-norm DAT decoder layer with a SwiGLU MLP (fp32): h = x + DualAttention(RMSNorm_1(x)),
+// out = h + down(silu(gate(n)) * up(n)) with n = RMSNorm_2(h); the attention as `dual_attention_decode` (its cache
+// write included). x [b, d] -> [b, d].
+at::Tensor decoder_layer_decode(const at::Tensor& x, const at::Tensor& input_norm, double input_eps,
+                                const std::vector<at::Tensor>& in_weights, const at::Tensor& symbols,
+                                const at::Tensor& symbol_weight, const std::optional<at::Tensor>& symbol_bias,
+                                const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                                at::Tensor& key_buffer, at::Tensor& value_buffer, int64_t length,
+                                const at::Tensor& relation_proj, const at::Tensor& o_s_weight,
+                                const std::optional<at::Tensor>& o_s_bias, const at::Tensor& o_r_weight,
+                                const std::optional<at::Tensor>& o_r_bias, at::IntArrayRef heads,
+                                at::ArrayRef<double> scalings, bool symmetric, const at::Tensor& post_norm,
+                                double post_eps, const at::Tensor& gate_weight, const at::Tensor& up_weight,
+                                const at::Tensor& down_weight) {
+  const char* op = "decoder_layer_decode";
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, d], got ", x.sizes());
+  const int64_t b = x.size(0), d = x.size(1), f = gate_weight.size(0);
+  check_matrix(x, d, "x", op);
+  check_matrix(gate_weight, d, "the gate projection's weight", op);
+  check_matrix(up_weight, d, "the up projection's weight", op);
+  check_matrix(down_weight, f, "the down projection's weight", op);
+  TORCH_CHECK(up_weight.size(0) == f && down_weight.size(0) == d, op, ": the MLP's weights must be [f, d], [f, d] "
+              "and [d, f], got ", gate_weight.sizes(), ", ", up_weight.sizes(), ", ", down_weight.sizes());
+  auto attended = dual_attention_decode(rms_norm_rows(x, input_norm, input_eps, op), in_weights, symbols,
+                                        symbol_weight, symbol_bias, cos, sin, key_buffer, value_buffer, length,
+                                        relation_proj, o_s_weight, o_s_bias, o_r_weight, o_r_bias, heads, scalings,
+                                        symmetric);
+  TORCH_CHECK(attended.size(1) == d, op, ": the attention gives ", attended.size(1), " features, the layer has ", d);
+  float* H = attended.data_ptr<float>();  // h = x + attention, in place
+  const float* X = x.data_ptr<float>();
+  for (int64_t i = 0; i < b * d; ++i) H[i] += X[i];
+  auto normed = rms_norm_rows(attended, post_norm, post_eps, op);
+  auto gate = at::empty({b, f}, x.options()), up = at::empty({b, f}, x.options());
+  float *G = gate.data_ptr<float>(), *U = up.data_ptr<float>();
+  linear_rows(gate_weight.data_ptr<float>(), nullptr, f, d, normed.data_ptr<float>(), b, G, f);
+  linear_rows(up_weight.data_ptr<float>(), nullptr, f, d, normed.data_ptr<float>(), b, U, f);
+  for (int64_t i = 0; i < b * f; ++i) G[i] = G[i] / (1.f + std::exp(-G[i])) * U[i];
+  auto out = at::empty({b, d}, x.options());
+  float* O = out.data_ptr<float>();
+  linear_rows(down_weight.data_ptr<float>(), nullptr, d, f, G, b, O, d);
+  for (int64_t i = 0; i < b * d; ++i) O[i] += H[i];
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dat_hf, m) {
@@ -347,10 +408,16 @@ TORCH_LIBRARY_FRAGMENT(dat_hf, m) {
         "Tensor? symbol_bias, Tensor? cos, Tensor? sin, Tensor(a!) key_buffer, Tensor(b!) value_buffer, int length, "
         "Tensor relation_proj, Tensor o_s_weight, Tensor? o_s_bias, Tensor o_r_weight, Tensor? o_r_bias, int[] heads, "
         "float[] scalings, bool symmetric) -> Tensor");
+  m.def("decoder_layer_decode(Tensor x, Tensor input_norm, float input_eps, Tensor[] in_weights, Tensor symbols, "
+        "Tensor symbol_weight, Tensor? symbol_bias, Tensor? cos, Tensor? sin, Tensor(a!) key_buffer, "
+        "Tensor(b!) value_buffer, int length, Tensor relation_proj, Tensor o_s_weight, Tensor? o_s_bias, "
+        "Tensor o_r_weight, Tensor? o_r_bias, int[] heads, float[] scalings, bool symmetric, Tensor post_norm, "
+        "float post_eps, Tensor gate_weight, Tensor up_weight, Tensor down_weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dat_hf, CPU, m) {
   m.impl("multi_linear", &multi_linear);
   m.impl("symbolic_attention", &symbolic_attention);
   m.impl("dual_attention_decode", &dual_attention_decode);
+  m.impl("decoder_layer_decode", &decoder_layer_decode);
 }
