@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
+from .kernel_hooks import replaceable
 from .masking_dat import causal_order
 
 
@@ -118,6 +119,7 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling, d
     return out.transpose(1, 2).contiguous(), None
 
 
+@replaceable("sdpa_attention")
 def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=False,
                            **kwargs):
     """Transformers' SDPA call under the mask rule (made explicit for 1 < q != kv, where SDPA is upper-left)."""

@@ -18,6 +18,7 @@ from test_cached_scores import DEPENDENCE, INIT, recomputed_logits
 from test_relational_biases import registered
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+import dat_hf.dual_attention as da
 import dat_hf.kernels.cpu as kernel
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
@@ -199,19 +200,33 @@ def test_eager_heads_run_as_paged_eager_and_come_back():
 
 @pytest.mark.skipif(not PAGED_API, reason="the floor release's refusal is tested below")
 def test_decoding_steps_attend_one_receiver_per_request(monkeypatch):
-    """A batch of decoding steps (one new token per request) runs the relational heads as one-receiver rows over the
-    packed keys: the CPU kernel's decoding op, which reads each request's senders only (prefills: the packed op)."""
+    """A batch of decoding steps (one new token per request) runs both head types as one-receiver rows over the
+    packed keys: the CPU kernel's decoding op, which reads each request's senders only (the sensory heads through it
+    without relations, which also take steps of fewer than `FUSED_PROJECTION_MIN_ROWS` rows; prefills: the packed
+    op)."""
     assert kernel.load_cpu_kernel(), f"the CPU kernel did not build: {cpu_build._STATE['error']}"
-    calls = {"decode": 0, "packed": 0}
+    calls = {"decode": 0, "decode without relations": 0, "packed": 0}
+
+    def count(name, original):
+        def counted(*args, **kwargs):
+            if name == "decode" and args[3].shape[2] == 0:  # (relation queries [b, 1, R, d_r])
+                name_ = "decode without relations"
+            else:
+                name_ = name
+            calls[name_] += 1
+            return original(*args, **kwargs)
+        return counted
+
     for name, op in (("decode", "relational_decode_op"), ("packed", "relational_attention_op")):
-        original = getattr(kernel, op)
-        monkeypatch.setattr(kernel, op, lambda *args, _f=original, _n=name, **kw: calls.update({_n: calls[_n] + 1})
-                            or _f(*args, **kw))
+        monkeypatch.setattr(kernel, op, count(name, getattr(kernel, op)))
     model = model_of()
     inputs = prompts()[:4]
     outputs = generate_batch(model, inputs, generation_config(), max_batch_tokens=256)
     layers = model.config.num_hidden_layers
-    assert calls == {"decode": layers * (NEW_TOKENS - 1), "packed": layers}  # (one prefill step for all four)
+    # one prefill step for all four, of 11 rows: the relational heads' packed op, the sensory heads' rows op
+    assert sum(map(len, inputs)) < da.FUSED_PROJECTION_MIN_ROWS
+    assert calls == {"decode": layers * (NEW_TOKENS - 1), "decode without relations": layers * NEW_TOKENS,
+                     "packed": layers}
     for prompt, output in zip(inputs, outputs):
         assert output.generated_tokens == greedy_alone(model, prompt)[0]
 

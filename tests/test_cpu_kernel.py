@@ -806,3 +806,35 @@ def test_decoding_step_ops_threads_and_bad_inputs(level, loaded):
             original(*args[:-2], args[-2][:-1], args[-1])
         with pytest.raises(RuntimeError, match=r"a norm weight must be a contiguous float32 CPU tensor"):
             original(args[0], args[1][:-1], *args[2:])
+
+
+@pytest.mark.parametrize("rows,kv,heads,kv_heads,d", [(5, 40, 4, 2, 32), (32, 300, 2, 2, 24), (1, 17, 2, 1, 16)])
+def test_sensory_rows_op_matches_sdpa(rows, kv, heads, kv_heads, d, loaded):
+    """Sensory heads over a few receivers of one sequence with a bool mask (continuous batching's packed rows), each
+    reading only the senders from the first to the last its mask allows (the relational decoding op without
+    relations), give SDPA's output (GQA included); other inputs keep SDPA."""
+    from dat_hf.sensory_attention import sdpa_attention_forward
+
+    class Module:
+        num_key_value_groups, is_causal, training = heads // kv_heads, False, False
+
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(1, rows, heads, d, generator=g).transpose(1, 2)  # (the model's layout)
+    key, value = (torch.randn(1, kv_heads, kv, d, generator=g) for _ in range(2))
+    mask = torch.rand(1, 1, rows, kv, generator=g) > 0.6
+    mask[..., rows % kv] = True  # (every receiver has a sender: the plan opens the others' rows)
+    accepts = kernel.accepts_sdpa_rows
+    with torch.no_grad():
+        assert accepts(Module, query, key, value, mask, scaling=0.2)
+        got = kernel.cpu_sdpa_rows(Module, query, key, value, mask, scaling=0.2)[0]
+        expected = sdpa_attention_forward.reference(Module, query, key, value, mask, scaling=0.2)[0]
+        assert got.shape == expected.shape == (1, rows, heads, d)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not accepts(Module, query, key, value, mask.float(), scaling=0.2)  # an additive mask
+        assert not accepts(Module, query, key, value, None, scaling=0.2, is_causal=True)
+        assert not accepts(Module, query, key, value, mask, scaling=0.2, dropout=0.1)
+        assert not accepts(Module, query.expand(2, -1, -1, -1), key.expand(2, -1, -1, -1),
+                           value.expand(2, -1, -1, -1), mask.expand(2, -1, -1, -1), scaling=0.2)  # a batch
+        long = torch.randn(1, heads, da.FUSED_PROJECTION_MIN_ROWS, d)
+        assert not accepts(Module, long, key, value, mask[:, :, :1].expand(1, 1, long.shape[2], kv), scaling=0.2)
+    assert not accepts(Module, query, key, value, mask, scaling=0.2)  # gradients

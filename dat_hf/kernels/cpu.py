@@ -264,6 +264,33 @@ def accepts_fused_linear(linears, x) -> bool:
     return True
 
 
+# ---- sensory heads over a few receivers, each over the senders its mask allows -----------------------------------
+def cpu_sdpa_rows(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=False, **kwargs):
+    """`sensory_attention.sdpa_attention_forward` for one sequence of a few receivers with a bool mask, each receiver
+    reading only the senders from the first to the last its mask allows (continuous batching's packed rows: a
+    request's own keys among every request's), through the relational decoding op without relations. query
+    `[1, h, q, d_h]`, key, value `[1, h_kv, kv, d_h]`, mask bool `[1, 1, q, kv]` -> (`[1, q, h, d_h]`, None)."""
+    rows, kv, d = query.shape[2], key.shape[2], query.shape[3]
+    no_relations = query.new_empty(rows, 1, 0, 1)
+    out = relational_decode_op(query.transpose(0, 2), key.expand(rows, -1, -1, -1), value.expand(rows, -1, -1, -1),
+                               no_relations, query.new_empty(rows, kv, 0, 1),
+                               query.new_empty(query.shape[1], d, 0), d**-0.5 if scaling is None else scaling, 1.0,
+                               attention_mask.transpose(0, 2))
+    return out.transpose(0, 1), None
+
+
+def accepts_sdpa_rows(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=False,
+                      **kwargs) -> bool:
+    """One sequence of fewer than `FUSED_PROJECTION_MIN_ROWS` receivers with a bool `[1, 1, q, kv]` mask, float32 on
+    CPU, without gradients or dropout."""
+    return (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4 and attention_mask.shape[0] == attention_mask.shape[1] == 1
+            and query.shape[0] == 1 and 1 <= query.shape[2] < dual_attention.FUSED_PROJECTION_MIN_ROWS
+            and query.is_cpu and query.dtype == key.dtype == value.dtype == torch.float32
+            and key.shape[-1] == value.shape[-1] == query.shape[-1] and dropout == 0 and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and load_cpu_kernel())
+
+
 # ---- symbolic attention ------------------------------------------------------------------------------------------
 def cpu_symbolic_attention(module, hidden_states, library):
     """`symbol_retrieval.symbolic_attention` in one op (no autograd): the query projection, each head's softmax over
@@ -492,11 +519,12 @@ def register():
     register_kernel("rotary", cpu_rotary, accepts_rotary)
     register_kernel("fused_linear", cpu_fused_linear, accepts_fused_linear)
     register_kernel("symbolic_attention", cpu_symbolic_attention, accepts_symbolic_attention)
+    register_kernel("sdpa_attention", cpu_sdpa_rows, accepts_sdpa_rows)
     register_kernel("dual_attention_step", cpu_decoding_step, accepts_decoding_step)
     register_kernel("layer_step", cpu_layer_step, accepts_layer_step)
 
 
-__all__ = ["cpu_decoding_step", "cpu_layer_step", "cpu_relational_attention", "cpu_symbolic_attention",
+__all__ = ["cpu_decoding_step", "cpu_layer_step", "cpu_relational_attention", "cpu_sdpa_rows", "cpu_symbolic_attention",
            "decoding_step_op", "layer_step_op",
            "symbolic_attention_op", "relational_attention_op", "relational_decode_op", "multi_linear_op", "rope_op",
            "swiglu_op", "swiglu_backward_op", "supports_cpu", "takes_swiglu_op", "register", "load_cpu_kernel",
