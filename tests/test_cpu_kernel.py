@@ -528,6 +528,20 @@ def test_multi_linear_op_matches_the_projections_in_fp64(rows, d, loaded):
         kernel.multi_linear_op(x, [w.float() for w in weights])
 
 
+def step_matches_the_reference(model, ids, calls, monkeypatch):
+    """The prompt `ids[:, :-1]` (no recorded op call), then one decoding step (one call per layer of `[b, d]` rows):
+    its logits are those of the reference alone over the whole of `ids`."""
+    with torch.no_grad():
+        out = model(ids[:, :-1], use_cache=True)
+        assert calls == []
+        step = model(ids[:, -1:], cache=output_cache(out)).logits
+    assert calls == [(ids.shape[0], model.config.hidden_size)] * model.config.num_hidden_layers
+    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+
+
 class SubclassedWeight(torch.Tensor):
     pass
 
@@ -542,15 +556,7 @@ def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
     model = DATForCausalLM(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 41))
     calls = record_calls(monkeypatch, "multi_linear_op", lambda x, weights: x.shape)
-    with torch.no_grad():
-        out = model(ids[:, :-1], use_cache=True)  # the prompt: 80 rows, one matrix product
-        assert calls == []
-        step = model(ids[:, -1:], cache=output_cache(out)).logits
-    assert calls == [(2, config.hidden_size)] * config.num_hidden_layers
-    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
-    with torch.no_grad():
-        expected = model(ids, use_cache=False).logits[:, -1:]
-    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+    step_matches_the_reference(model, ids, calls, monkeypatch)  # (the prompt: 80 rows, one matrix product)
     relational = model.model.layers[0].dual_attn.relational
     linears = [relational.q_attn_proj, relational.q_rel_proj]
     x = torch.randn(1, 1, config.hidden_size)
@@ -624,15 +630,7 @@ def test_decoding_symbols_take_the_one_op(loaded, monkeypatch):
     model = DATForCausalLM(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 41))
     calls = record_calls(monkeypatch, "symbolic_attention_op", lambda x, *args: x.shape)
-    with torch.no_grad():
-        out = model(ids[:, :-1], use_cache=True)  # the prompt: 80 rows, the reference
-        assert calls == []
-        step = model(ids[:, -1:], cache=output_cache(out)).logits
-    assert calls == [(2, config.hidden_size)] * config.num_hidden_layers
-    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
-    with torch.no_grad():
-        expected = model(ids, use_cache=False).logits[:, -1:]
-    torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
+    step_matches_the_reference(model, ids, calls, monkeypatch)  # (the prompt: 80 rows, the reference)
 
     module = model.model.symbol_retrievers.retrievers[0]
     library, x = module.symbol_library, torch.randn(2, 1, config.hidden_size)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dat_hf.kernels.cpu_build import SOURCES
+from dat_hf.kernels.cpu_build import HEADERS, SOURCES
 from dat_hf.training import list_metrics, list_presets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def wheel_env(tmp_path_factory):
 def test_wheel_ships_the_package_data_and_nothing_else(wheel_env):
     names = zipfile.ZipFile(wheel_env[3]).namelist()
     assert {f"dat_hf/training/presets/{p}.json" for p in list_presets()} <= set(names)
-    assert {f"dat_hf/kernels/csrc/{source.name}" for source in SOURCES} <= set(names)
+    assert {f"dat_hf/kernels/csrc/{source.name}" for source in SOURCES + HEADERS} <= set(names)
     assert {f"dat_hf/training/metrics/{m}/{m}.py" for m in list_metrics()} <= set(names)
     assert {"dat_hf/training/metrics/accuracy/README.md"} <= set(names)  # (the modules' cards too)
     assert not [n for n in names if n.split("/")[0] in ("tests", "scripts", "configs", "docs", "model_cards")]

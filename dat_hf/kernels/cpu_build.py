@@ -51,6 +51,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # (included by the sources: part of the build's name)
 DEFAULT_TIMEOUT = 600.0
 _STATE = {"loaded": False, "tried": False, "error": None}
 WHAT = "the compiled CPU kernels (relational attention, RoPE, SwiGLU, decoding projections)"
@@ -120,12 +121,12 @@ def _torch_paths():
 
 
 def build_name(sources=None, flags=None) -> str:
-    """The cache folder's name: sources, flags and torch version, then the vector capability and a digest of the CPU's
-    instruction set (the build uses `-march=native`)."""
+    """The cache folder's name: sources (and the headers they include), flags and torch version, then the vector
+    capability and a digest of the CPU's instruction set (the build uses `-march=native`)."""
     sources = SOURCES if sources is None else sources
     flags = _build_flags() if flags is None else flags
     digest = hashlib.sha1()
-    for source in sources:
+    for source in [*sources, *HEADERS]:
         digest.update(Path(source).name.encode() + b"\0" + Path(source).read_bytes())
     digest.update((" ".join(flags) + torch.__version__).encode())
     capability = torch.backends.cpu.get_cpu_capability().lower()
@@ -292,7 +293,8 @@ if not torch.allclose(torch.ops.dat_hf.swiglu_forward(x, x), torch.nn.functional
 """
 LIBRARY_CHECK = "import ctypes, sys; ctypes.CDLL(sys.argv[1])"
 OPS = ("relational_attention_forward", "relational_attention_backward", "relational_attention_decode",
-       "multi_linear", "swiglu_forward", "swiglu_backward", "rope")
+       "multi_linear", "symbolic_attention", "dual_attention_decode", "decoder_layer_decode", "swiglu_forward",
+       "swiglu_backward", "rope")
 
 
 def child_check(library, check=KERNEL_CHECK, timeout=None) -> str | None:
@@ -577,6 +579,6 @@ def status() -> dict:
             "timeout_s": os.environ.get("DAT_HF_KERNEL_BUILD_TIMEOUT") or DEFAULT_TIMEOUT}
 
 
-__all__ = ["KERNEL_CHECK", "LIBRARY_CHECK", "OPS", "SOURCES", "KernelBuildError", "build_extension", "build_name",
+__all__ = ["HEADERS", "KERNEL_CHECK", "LIBRARY_CHECK", "OPS", "SOURCES", "KernelBuildError", "build_extension", "build_name",
            "built_library", "building_now", "cache_root", "cache_writable", "child_check", "cpu_kernel_enabled",
            "ensure_built", "status", "verify"]

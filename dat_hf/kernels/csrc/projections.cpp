@@ -7,8 +7,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -18,16 +16,13 @@
 #include <optional>
 #include <vector>
 
+#include "vec_rows.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+using namespace dat_hf_vec;
 constexpr int64_t kGroup = 4;  // weight rows per step: independent accumulators for the same loads of x
 constexpr int64_t kAhead = 4;  // steps whose weight rows are prefetched ahead
-
-inline float horizontal_sum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, v);
-}
 
 // out[r * ldo + k] = <W[k], x[r]> for the M <= kGroup weight rows W[0:M] (row stride d) and the rows of x
 template <int M>
@@ -86,15 +81,6 @@ at::Tensor multi_linear(const at::Tensor& x, const std::vector<at::Tensor>& weig
     }
   });
   return out;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t e = 0;
-  for (; e + kLanes <= n; e += kLanes) acc = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc);
-  float s = horizontal_sum(acc);
-  for (; e < n; ++e) s += a[e] * b[e];
-  return s;
 }
 
 // y += alpha x (n elements)

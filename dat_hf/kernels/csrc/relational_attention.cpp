@@ -14,6 +14,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_rows.h"
+
 extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*);
 
@@ -27,8 +29,7 @@ inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
   sgemm_(&cb, &ca, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
 }
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+using namespace dat_hf_vec;
 
 // ---- row helpers on at::vec (AVX512 / AVX2 / scalar per build flags); tails are scalar ----
 inline float row_max(const float* x, int64_t n) {
@@ -45,10 +46,6 @@ inline float row_max(const float* x, int64_t n) {
   return mx;
 }
 
-inline float horizontal_sum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, v);  // shuffles, not a store
-}
-
 // x[j] = exp(x[j] - shift) (exp(-inf) = 0); returns the sum of the new values
 inline float exp_shifted(float* x, int64_t n, float shift) {
   Vec acc(0.f);
@@ -61,15 +58,6 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
   }
   float s = horizontal_sum(acc);
   for (; j < n; ++j) s += (x[j] = std::exp(x[j] - shift));
-  return s;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
-  float s = horizontal_sum(acc);
-  for (; j < n; ++j) s += a[j] * b[j];
   return s;
 }
 
