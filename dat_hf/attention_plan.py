@@ -209,6 +209,16 @@ class PlannedRelational(PlannedAttention):
                       f"this process; {self.name!r} runs instead. {error}", RuntimeWarning, stacklevel=3)
 
 
+def sensory_function(config, output_attentions: bool) -> tuple:
+    """(implementation name, the sensory heads' attention function): eager for weights, else the config's."""
+    # continuous batching sets "paged|eager": DAT's heads read the paged cache themselves
+    implementation = config._attn_implementation
+    implementation = implementation.removeprefix("paged|") if isinstance(implementation, str) else implementation
+    if output_attentions:
+        return implementation, eager_attention_forward
+    return implementation, DAT_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+
+
 class AttentionPlan(NamedTuple):
     """`{bias: PlannedSensory}` and `{bias: PlannedRelational}` for one forward."""
 
@@ -230,13 +240,9 @@ class AttentionPlan(NamedTuple):
             flags.append((bias, mask.is_causal))
         device = query_like.device.type
         autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
-        implementation = config._attn_implementation
         return (tuple(flags), tuple(sensory_biases), tuple(relational_biases), query_like.dtype, query_like.device,
                 query_like.shape[1], output_attentions, requires_grad, training, per_request, autocast,
-                autocast and torch.get_autocast_dtype(device), implementation,
-                DAT_ATTENTION_FUNCTIONS.get_interface(implementation.removeprefix("paged|")
-                                                      if isinstance(implementation, str) else implementation,
-                                                      eager_attention_forward),
+                autocast and torch.get_autocast_dtype(device), *sensory_function(config, output_attentions),
                 getattr(config, "relational_attn_implementation", None), config.relation_activation,
                 config.symbol_retrieval, config.attention_dropout if training else 0.0,
                 tuple(RELATIONAL_ATTENTION_FUNCTIONS.items()), tuple(RELATIONAL_ATTENTION_FUNCTIONS.unavailable))
@@ -257,12 +263,7 @@ class AttentionPlan(NamedTuple):
         sensory_biases = masks if sensory_biases is None else sensory_biases
         relational_biases = masks if relational_biases is None else relational_biases
         dropout = config.attention_dropout if training else 0.0
-        # continuous batching sets "paged|eager": DAT's heads read the paged cache themselves
-        implementation = config._attn_implementation
-        implementation = implementation.removeprefix("paged|") if isinstance(implementation, str) else implementation
-        function = eager_attention_forward
-        if not output_attentions:
-            function = DAT_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        implementation, function = sensory_function(config, output_attentions)
         sensory_format = ("dense" if function is eager_attention_forward
                           else "block_mask" if function is flex_attention_forward else "tensor")
         name = "eager" if function is eager_attention_forward else implementation

@@ -44,8 +44,9 @@ class InPlaceCacheLayer(DynamicLayer):
         are written into the buffers, and the views `packed.views` gives are cut from views of the whole buffers
         kept with them -> (keys per head type, values) over the cached tokens, as `packed.unpack(*update(...))`."""
         length, new = self._length, key_states.shape[-2]
-        if torch.compiler.is_compiling() or length != self.get_seq_length() or not self._has_room(length, new,
-                                                                                                   key_states, values):
+        if (torch.compiler.is_compiling() or key_states.shape[1] != sum(packed.key_heads)
+                or not self.has_room_for(key_states.shape[0], new, packed, key_states.dtype, key_states.device)
+                or any(value.dtype != key_states.dtype for value in values)):
             return packed.unpack(*self.update(*packed.pack([key_states], values)))
         key_buffer, value_buffer = self._buffers
         key_buffer.narrow(-2, length, new).copy_(key_states)
@@ -57,9 +58,9 @@ class InPlaceCacheLayer(DynamicLayer):
         return ([key.narrow(2, 0, total) for key in keys],
                 [part.narrow(2 if heads else 1, 0, total) for part, heads in zip(parts, packed.value_heads)])
 
-    def has_room_for(self, batch_size: int, new: int, packed, dtype) -> bool:
-        """Whether `new` tokens of a `PackedCache` layer's states (`batch_size` rows, `dtype`) can be written into the
-        buffers at the current length (which `keys`/`values` still cover)."""
+    def has_room_for(self, batch_size: int, new: int, packed, dtype, device) -> bool:
+        """Whether `new` tokens of a `PackedCache` layer's states (`batch_size` rows, `dtype`, on `device`) can be
+        written into the buffers at the current length (which `keys`/`values` still cover)."""
         if self._buffers is None or not self.is_initialized or self._length != self.keys.shape[-2]:
             return False
         key_buffer, value_buffer = self._buffers
@@ -67,22 +68,8 @@ class InPlaceCacheLayer(DynamicLayer):
                 and self.keys.stride() == key_buffer.stride() and self.values.stride() == value_buffer.stride()
                 and self._length + new <= key_buffer.shape[-2] and key_buffer.shape[0] == batch_size
                 and key_buffer.shape[1] == sum(packed.key_heads) and key_buffer.shape[-1] == packed.head_dim
-                and value_buffer.shape[-1] == sum(packed.value_widths) and key_buffer.dtype == dtype
-                and value_buffer.dtype == dtype)
-
-    def _has_room(self, length, new, key_states, values) -> bool:
-        """Whether the buffers still hold `keys`/`values` and take `new` more tokens of these states."""
-        if self._buffers is None or not self.is_initialized:
-            return False
-        key_buffer, value_buffer = self._buffers
-        width = sum(value.shape[-1] for value in values)
-        return (self.keys.data_ptr() == key_buffer.data_ptr() and self.values.data_ptr() == value_buffer.data_ptr()
-                and self.keys.stride() == key_buffer.stride() and self.values.stride() == value_buffer.stride()
-                and length + new <= key_buffer.shape[-2] and key_states.shape[:-2] == key_buffer.shape[:-2]
-                and key_states.shape[-1] == key_buffer.shape[-1] and value_buffer.shape[-1] == width
-                and value_buffer.shape[0] == key_states.shape[0] and key_states.dtype == key_buffer.dtype
-                and all(value.dtype == value_buffer.dtype for value in values)
-                and key_states.device == key_buffer.device)
+                and value_buffer.shape[-1] == sum(packed.value_widths) and key_buffer.dtype == value_buffer.dtype == dtype
+                and key_buffer.device == device)
 
     def _packed_views(self, packed, value_buffer):
         """(value rows `[b, capacity, width]`, keys per head type and values over the whole buffers), made once per

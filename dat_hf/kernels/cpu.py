@@ -31,6 +31,7 @@ from .. import dual_attention
 from ..cache_dat import InPlaceCacheLayer
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
+from ..modeling_dat import DATMLP, DATRMSNorm
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from ..relational_attention import relational_output
 from .autograd import relational_op_autograd
@@ -243,6 +244,11 @@ def cpu_fused_linear(linears, x):
 _PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
 
 
+def _plain_tensor(t) -> bool:
+    """A plain (no subclass: quantized, distributed) contiguous float32 CPU tensor."""
+    return type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
+
+
 def accepts_fused_linear(linears, x) -> bool:
     """Decoding-sized inputs (fewer rows than `FUSED_PROJECTION_MIN_ROWS`, where the reference runs one matrix
     product per projection) without gradients, float32 on CPU, through plain bias-free linears whose weights are plain
@@ -329,15 +335,9 @@ def accepts_symbolic_attention(module, hidden_states, library) -> bool:
     if rows > 1 and (rows > SYMBOLIC_OP_MAX_ROWS or templates.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
         return False
     q_proj = module.q_proj
-    if (module.training and module.dropout > 0) or not dual_attention.is_plain_linear(q_proj):
+    if module.training and module.dropout > 0:
         return False
-    parameters = q_proj._parameters
-    bias = parameters["bias"]
-    for t in (parameters["weight"], templates, library) if bias is None else (parameters["weight"], bias, templates,
-                                                                              library):
-        if not (type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()):
-            return False
-    return True
+    return _plain_weights([q_proj], biases=True) and _plain_tensor(templates) and _plain_tensor(library)
 
 
 # ---- a dual-attention layer's decoding step -----------------------------------------------------------------------
@@ -356,7 +356,8 @@ def cpu_decoding_step(module, hidden_states, symbols, position_embeddings, senso
 def _step_arguments(module, symbols, position_embeddings, cache) -> list:
     """The arguments of `decoding_step_op` after x, for the `DualAttention` `module`."""
     sensory, relational = module.sensory, module.relational
-    key_buffer, value_buffer = cache.layers[module.layer_idx]._buffers
+    layer = cache.layers[module.layer_idx]
+    key_buffer, value_buffer = layer._buffers
     cos = sin = None
     if position_embeddings is not None:
         cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in position_embeddings)
@@ -364,7 +365,7 @@ def _step_arguments(module, symbols, position_embeddings, cache) -> list:
     return [[linear._parameters["weight"] for linear in dual_attention.head_linears(
                 sensory, relational, module.input_projections.projections)],
             symbols.reshape(-1, symbols.shape[-1]).contiguous(), symbol_proj._parameters["weight"],
-            symbol_proj._parameters["bias"], cos, sin, key_buffer, value_buffer, cache.layers[module.layer_idx]._length,
+            symbol_proj._parameters["bias"], cos, sin, key_buffer, value_buffer, layer._length,
             relational._parameters["relation_proj"], o_s._parameters["weight"], o_s._parameters["bias"],
             o_r._parameters["weight"], o_r._parameters["bias"],
             [sensory.num_heads, sensory.num_kv_heads, relational.num_heads, relational.num_kv_heads,
@@ -449,17 +450,15 @@ def accepts_decoding_step(module, hidden_states, symbols, position_embeddings, s
         return False
     layers = cache.layers
     layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
-    if type(layer) is not InPlaceCacheLayer or not layer.has_room_for(hidden_states.shape[0], 1,
-                                                                      module.packed, hidden_states.dtype):
+    if type(layer) is not InPlaceCacheLayer or not layer.has_room_for(hidden_states.shape[0], 1, module.packed,
+                                                                      hidden_states.dtype, hidden_states.device):
         return False
     if symbols is None or symbols.dtype != torch.float32 or symbols.shape[1] != 1 or not symbols.is_cpu:
         return False
     if position_embeddings is not None and not all(
             t.dtype == torch.float32 and t.is_cpu and t.shape[1] == 1 for t in position_embeddings):
         return False
-    relation_proj = relational._parameters["relation_proj"]
-    if not (type(relation_proj) in _PLAIN_TENSORS and relation_proj.dtype == torch.float32 and relation_proj.is_cpu
-            and relation_proj.is_contiguous()):
+    if not _plain_tensor(relational._parameters["relation_proj"]):
         return False
     return (_plain_weights(dual_attention.head_linears(sensory, relational, module.input_projections.projections),
                            biases=False)
@@ -471,8 +470,6 @@ def accepts_layer_step(layer, hidden_states, symbols, position_embeddings, senso
                        **kwargs) -> bool:
     """A pre-norm layer with RMSNorms and a plain bias-free SwiGLU MLP (no hooks on them), in eval mode or without
     dropout, whose dual attention takes `accepts_decoding_step`."""
-    from ..modeling_dat import DATMLP, DATRMSNorm
-
     if not (hidden_states.shape[1] == 1 and layer.pre_norm and (not layer.training or layer.dropout.p == 0)):
         return False
     modules = layer._modules
@@ -488,10 +485,6 @@ def accepts_layer_step(layer, hidden_states, symbols, position_embeddings, senso
 
 def _unhooked(module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks) and "forward" not in module.__dict__
-
-
-def _plain_tensor(t) -> bool:
-    return type(t) in _PLAIN_TENSORS and t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
 
 
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
