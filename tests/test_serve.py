@@ -9,6 +9,11 @@ prompt that fills the context and an unknown model with HTTP 400 and a message, 
 SIGINT / SIGTERM within seconds, its shutdown complete and no traceback.
 """
 
+import asyncio
+import http.client
+import json
+import os
+import select
 import signal
 import socket
 import subprocess
@@ -23,6 +28,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 import torch
+import transformers
 from conftest import tiny_config
 from lm_helpers import corpus_file
 from snippets import offline_env
@@ -38,17 +44,20 @@ PROMPTS = ["Enter", "The course of true love", "Now, fair Hippolyta, our nuptial
            "Lysander and Helena"]
 STREAMED = "Draws on apace"
 CHAT = [{"role": "user", "content": "How now, my love!"}]
+STOP_TOKENS = 24  # the greedy text that stop strings cut
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 # a small paged cache: sized from the machine's memory by default, which takes seconds to allocate on CPU
 CB_FLAGS = ["--continuous-batching", "--cb-num-blocks", "32", "--cb-block-size", "16", "--cb-max-batch-tokens", "128"]
+# --shutdown-grace of the servers in a subprocess, seconds: long enough for the requests in flight, or none at all
+GRACE, NO_GRACE = ["--shutdown-grace", "2"], ["--shutdown-grace", "0"]
 VARIANTS = {  # (remote code, flags, the signal that stops it; None: in this process, on a thread)
     "in-process": (False, [], None),
     "in-process-continuous-batching": (False, CB_FLAGS, None),
-    "installed": (False, [], signal.SIGINT),
-    "installed-continuous-batching": (False, CB_FLAGS, signal.SIGTERM),
-    "remote-code": (True, ["--trust-remote-code"], signal.SIGTERM),
-    "remote-code-continuous-batching": (True, ["--trust-remote-code", *CB_FLAGS], signal.SIGINT),
+    "installed": (False, GRACE, signal.SIGINT),
+    "installed-continuous-batching": (False, [*CB_FLAGS, *NO_GRACE], signal.SIGTERM),
+    "remote-code": (True, ["--trust-remote-code", *NO_GRACE], signal.SIGTERM),
+    "remote-code-continuous-batching": (True, ["--trust-remote-code", *CB_FLAGS, *GRACE], signal.SIGINT),
 }
 # how the process ends after a graceful shutdown: uvicorn raises the signal again; Ctrl+C then ends in the CLI's
 # "Aborted!" (exit status 1 from click; 130 from typer, Transformers' CLI before huggingface_hub 2), SIGTERM kills it
@@ -92,17 +101,20 @@ def served(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
-    def greedy(inputs):
+    def greedy(inputs, new_tokens=NEW_TOKENS):
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
         return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
     completions = {prompt: greedy(tokenizer(prompt, return_tensors="pt")) for prompt in [*PROMPTS, STREAMED]}
+    long_text = greedy(tokenizer(PROMPTS[1], return_tensors="pt"), STOP_TOKENS)
+    long_chat = greedy(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True,
+                                                     return_tensors="pt"), STOP_TOKENS)
     chat = greedy(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True,
                                                 return_tensors="pt"))
     texts = [*completions.values(), chat]
     assert len(set(texts)) == len(texts), f"the prompts must give different texts (a mix-up shows): {texts}"
-    return dict(folder=str(folder), completions=completions, chat=chat)
+    return dict(folder=str(folder), completions=completions, chat=chat, long_text=long_text, long_chat=long_chat)
 
 
 def free_port() -> int:
@@ -263,14 +275,14 @@ def test_bad_requests_get_400_and_the_server_serves_on(server, served):
         with pytest.raises(openai.BadRequestError) as refused:
             complete(server, too_long, stream=stream)
         assert refused.value.status_code == 400
-        assert f"`max_position_embeddings` = {limit}" in refused.value.body["detail"], refused.value.body
+        assert f"`max_position_embeddings` = {limit}" in refused.value.body["message"], refused.value.body
     with pytest.raises(openai.BadRequestError) as refused:
         server.client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": too_long}],
                                               max_tokens=NEW_TOKENS)
-    assert f"`max_position_embeddings` = {limit}" in refused.value.body["detail"], refused.value.body
+    assert f"`max_position_embeddings` = {limit}" in refused.value.body["message"], refused.value.body
     with pytest.raises(openai.BadRequestError) as refused:
         complete(server, PROMPTS[0], model="no-such-model")
-    assert "no-such-model" in refused.value.body["detail"], refused.value.body
+    assert "no-such-model" in refused.value.body["message"], refused.value.body
     assert complete(server, PROMPTS[1]) == (served["completions"][PROMPTS[1]], "length")
     # a completion stops where the context is full
     response = server.client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=2 * limit,
@@ -279,17 +291,354 @@ def test_bad_requests_get_400_and_the_server_serves_on(server, served):
     assert response.choices[0].finish_reason == "length"
 
 
+def post(connection, path: str, body, headers=None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a POST of `body` (bytes as they are, else JSON) on `connection`."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    connection.request("POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    payload = response.read()
+    return response.status, json.loads(payload) if payload else {}, dict(response.getheaders())
+
+
+def health_seconds(server) -> float:
+    start = time.monotonic()
+    with urllib.request.urlopen(f"{server.url}/health", timeout=10) as response:
+        assert response.status == 200
+    return time.monotonic() - start
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def send_huge_body(server, size: int, chunked: bool) -> tuple[int, float]:
+    """Send a body of `size` bytes to /v1/completions as a client that reads an early answer does (curl with
+    `Expect: 100-continue` reads it before sending): (status, seconds to the answer). `chunked`: no
+    Content-Length, the body in chunks."""
+    host, port = server.url.removeprefix("http://").split(":")
+    length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        pending = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{length}" \
+                  f"\r\n\r\n".encode()
+        block, sent, answer = b'{"prompt": "' + b"x" * 65536, 0, b""
+        while b"\r\n\r\n" not in answer and time.monotonic() - start < 30:
+            if not pending and sent < size:
+                piece = block[:size - sent]
+                pending, sent = (b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece), sent + len(piece)
+            readable, writable, _ = select.select([sock], [sock] if pending else [], [], 1)
+            if readable:
+                answer += sock.recv(65536) or b"\r\n\r\n"
+            elif writable:
+                try:
+                    pending = pending[sock.send(pending):]
+                except OSError:  # (the server closed its side after answering)
+                    pending, sent = b"", size
+    return int(answer.split(b" ")[1]), time.monotonic() - start
+
+
+def test_a_huge_body_is_refused_before_it_is_read(server):
+    """50 MB with a Content-Length: 413 before it is read; without one (chunked): 413 once past the limit. `/health`
+    answers meanwhile, and the server's memory does not grow by the body."""
+    pid = server.process.pid if hasattr(server, "process") else os.getpid()
+    before = rss_mb(pid)
+    with ThreadPoolExecutor(2) as pool:
+        for chunked in (False, True):
+            answer = pool.submit(send_huge_body, server, 50 * 2**20, chunked)
+            time.sleep(0.2)
+            assert health_seconds(server) < 1
+            status, seconds = answer.result()
+            assert status == 413, status
+            assert seconds < 2, f"{seconds:.1f} s to refuse 50 MB ({'chunked' if chunked else 'Content-Length'})"
+    assert rss_mb(pid) - before < 100
+    # under the body limit but far past the context: refused without tokenizing it, while /health answers
+    connection = http.client.HTTPConnection(*server.url.removeprefix("http://").split(":"), timeout=30)
+    start = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, connection, "/v1/completions", {"model": server.model, "prompt": "x" * 3_000_000})
+        assert health_seconds(server) < 1
+        status, body, _ = answer.result()
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert "refused without being tokenized" in body["error"]["message"], body
+    assert time.monotonic() - start < 2
+
+
+BAD_FIELDS = [  # (field, value) that each get a 400 naming the field
+    ("max_tokens", "ten"), ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True),
+    ("temperature", "hot"), ("temperature", -1), ("temperature", 3), ("top_p", 0), ("frequency_penalty", "x"),
+    ("stop", 5), ("stop", []), ("stop", ""), ("stop", ["a", "b", "c", "d", "e"]), ("stream", "yes"), ("seed", "x"),
+    ("prompt", 123), ("prompt", ["a", "b"]), ("prompt", "\ud800"), ("n", 2), ("logprobs", 1), ("logprobs", True),
+    ("echo", True), ("best_of", 2), ("suffix", "the end"), ("presence_penalty", 0.5), ("stream_options", {"x": 1}),
+    ("generation_config", "{not json"), ("generation_config", '{"temperature": -3}'), ("user", 7),
+]
+BAD_CHAT_FIELDS = [
+    ("messages", []), ("messages", "hi"), ("messages", [{"role": "user", "content": 123}]),
+    ("messages", [{"role": "wizard", "content": "x"}]), ("messages", [{"role": "user", "content": "\ud800"}]),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    ("max_completion_tokens", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"1": 500}), ("logit_bias", {"100000": 1}),
+    ("n", 2), ("logprobs", True), ("top_logprobs", 3), ("response_format", {"type": "json_object"}),
+]
+
+
+def test_bad_fields_are_refused_by_name_on_a_connection_that_stays_open(server):
+    connection = http.client.HTTPConnection(*server.url.removeprefix("http://").split(":"), timeout=30)
+    good = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
+    chat = {"model": server.model, "messages": CHAT, "max_tokens": NEW_TOKENS, "temperature": 0}
+    sock = None
+    for path, request, cases in (("/v1/completions", good, BAD_FIELDS), ("/v1/chat/completions", chat,
+                                                                           BAD_CHAT_FIELDS)):
+        for field, value in cases:
+            body = json.dumps({**request, field: value}).encode()  # (a lone surrogate as JSON writes it: "\\ud800")
+            status, answer, headers = post(connection, path, body)
+            assert status == 400, (field, value, status, answer)
+            assert answer["error"]["param"].split(".")[0].split("[")[0] == field, (field, value, answer)
+            assert f"`{field}" in answer["error"]["message"] or field == "messages", (field, answer)
+            assert headers.get("connection") != "close", (field, headers)
+            sock = sock or connection.sock
+            assert connection.sock is sock, f"the connection was closed after `{field}`"
+        assert post(connection, path, {**request, "n": 1, "logprobs": False})[0] == 200
+    assert connection.sock is sock
+    status, answer, _ = post(connection, "/v1/completions", {**good, "unknown_field": 1})
+    assert status == 422 and "unknown_field" in answer["error"]["message"], answer
+
+
+def test_stop_ends_the_text_before_the_stop_string(server, served):
+    """`stop`: the text up to the stop string's first occurrence, without it, `finish_reason: "stop"`; the same in
+    both modes (each compared with the local greedy text), streamed or not, completions and chat."""
+    for endpoint, text in (("completions", served["long_text"]), ("chat", served["long_chat"])):
+        middle = len(text) // 2
+        stop = text[middle:middle + 3]
+        expected = text[:text.find(stop)]
+        assert 0 < len(expected) < len(text) - 3, (text, stop)
+        for stream in (False, True):
+            for stops in (stop, ["never seen", stop]):
+                kwargs = dict(model=server.model, max_tokens=STOP_TOKENS, temperature=0, stop=stops, stream=stream)
+                if endpoint == "completions":
+                    response = server.client.completions.create(prompt=PROMPTS[1], **kwargs)
+                    chunks = list(response) if stream else [response]
+                    got = "".join(chunk.choices[0].text for chunk in chunks)
+                else:
+                    response = server.client.chat.completions.create(messages=CHAT, **kwargs)
+                    chunks = [chunk for chunk in response if chunk.choices] if stream else [response]
+                    got = "".join((chunk.choices[0].delta.content if stream else chunk.choices[0].message.content)
+                                  or "" for chunk in chunks)
+                assert (got, chunks[-1].choices[0].finish_reason) == (expected, "stop"), (endpoint, stream, stops)
+    response = server.client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=NEW_TOKENS,
+                                                temperature=0, stop="never seen")
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (served["completions"][PROMPTS[1]],
+                                                                             "length")
+
+
+def test_a_model_is_retrieved_by_its_id(server):
+    model = server.client.models.retrieve(server.model)
+    assert model.id == server.model
+    with pytest.raises(openai.NotFoundError) as missing:
+        server.client.models.retrieve("no-such-model")
+    assert "no-such-model" in missing.value.body["message"]
+
+
+def test_sampling_is_served_as_asked(server, served):
+    """`temperature` > 0 samples (the model's generation config is greedy); with continuous batching, whose batch
+    samples every request as the first asked, other sampling settings are refused by name."""
+    kwargs = dict(model=server.model, prompt=PROMPTS[1], max_tokens=NEW_TOKENS)
+    assert complete(server, PROMPTS[1])[0] == served["completions"][PROMPTS[1]]  # (the batch, if any, is greedy)
+    if "--continuous-batching" in VARIANTS[server.variant][1]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.client.completions.create(temperature=1.5, **kwargs)
+        assert refused.value.body["param"] == "temperature", refused.value.body
+        return
+    texts = {server.client.completions.create(temperature=2, seed=seed, **kwargs).choices[0].text
+             for seed in range(4)}
+    assert len(texts - {served["completions"][PROMPTS[1]]}) >= 2, texts
+
+
+def in_flight_request(server, index: int) -> str:
+    """One of the requests in flight at a shutdown (every other one streamed), to its end: "done" (the whole
+    answer), "503" (refused: the grace period was over) or "closed" (a stream cut short)."""
+    kwargs = dict(model=server.model, prompt=PROMPTS[index % len(PROMPTS)], max_tokens=40, temperature=0)
+    client = server.client.with_options(timeout=60)
+    try:
+        if index % 2:
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        else:
+            assert client.completions.create(**kwargs).choices[0].finish_reason in ("stop", "length")
+        return "done"
+    except openai.InternalServerError as error:
+        assert error.status_code == 503 and "shutting down" in error.body["message"], error
+        return "503"
+    except Exception as error:  # noqa: BLE001  (the client's transport error: openai's, or its HTTP library's)
+        transport = isinstance(error, openai.APIConnectionError) or "TransportError" in {
+            kind.__name__ for kind in type(error).__mro__}
+        assert transport and not isinstance(error, openai.APITimeoutError), repr(error)
+        return "closed"
+
+
 @pytest.mark.integration
 def test_shutdown_on_a_signal(server):
+    """With 16 requests in flight: the server stops admitting, exits within its grace period + 5 s, and every client
+    gets its answer, a 503 or a closed stream (none waits)."""
     sig = VARIANTS[server.variant][2]
     if sig is None:
         pytest.skip("a server in this process is stopped by the test, not by a signal")
-    status, seconds = server.stop(sig)
+    with ThreadPoolExecutor(16) as pool:
+        clients = [pool.submit(in_flight_request, server, index) for index in range(16)]
+        time.sleep(0.5)
+        status, seconds = server.stop(sig)
+        outcomes = [client.result(timeout=10) for client in clients]
     output = server.output()
     assert "Traceback" not in output, output[-5000:]
     assert "Application shutdown complete" in output and "Finished server process" in output, output[-3000:]
     assert status in EXIT_STATUS[sig], (status, output[-3000:])
-    assert seconds < 15, f"{seconds:.1f} s to exit on {sig.name}"
+    flags = VARIANTS[server.variant][1]
+    grace = float(flags[flags.index("--shutdown-grace") + 1])
+    assert seconds < grace + 5, f"{seconds:.1f} s to exit on {sig.name}"
+    print(sig.name, f"{seconds:.1f} s", {outcome: outcomes.count(outcome) for outcome in set(outcomes)})
+
+
+def test_a_request_cut_short_by_the_shutdown_gets_503_before_the_process_ends():
+    """`RequestGuard`: a request uvicorn cancels (its grace period over) before its answer started gets 503, and the
+    lifespan's shutdown waits for it (uvicorn would end the process first); a started stream is closed."""
+    from dat_hf.serve import RequestGuard
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await receive()
+        await receive()
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.Event().wait()  # (a generation that does not finish in time)
+
+    async def run():
+        guard, sent = RequestGuard(app), {"/slow": [], "/stream": []}
+        requests = [asyncio.create_task(guard({"type": "http", "path": path, "headers": []},
+                                              _body(b"{}"), _recorder(sent[path]))) for path in sent]
+        await asyncio.sleep(0.05)
+        assert guard.in_flight == 2
+        shutdown = asyncio.Queue()
+        lifespan = asyncio.create_task(guard({"type": "lifespan"}, shutdown.get, None))
+        for request in requests:
+            request.cancel()
+        await shutdown.put({"type": "lifespan.shutdown"})
+        await asyncio.wait_for(lifespan, 1)
+        assert guard.in_flight == 0
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent["/slow"][0]["status"] == 503 and b"shutting down" in sent["/slow"][1]["body"], sent["/slow"]
+    assert [message["type"] for message in sent["/stream"]] == ["http.response.start"]  # (then closed)
+
+
+def _recorder(messages: list):
+    async def send(message):
+        messages.append(message)
+
+    return send
+
+
+def _body(data: bytes):
+    async def receive():
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    return receive
+
+
+def test_the_server_settings_reach_uvicorn_and_the_command_line():
+    """`--max-request-bytes` and `--shutdown-grace` are dat_hf.serve's, the rest goes to `transformers serve`; the
+    grace becomes uvicorn's `timeout_graceful_shutdown` (the seam: Transformers' `Serve` builds `uvicorn.Config`)."""
+    import uvicorn
+
+    from dat_hf.serve import Settings, hook_server, parse_settings
+
+    settings, rest = parse_settings(["my-dat", "--shutdown-grace", "3.5", "--port", "9", "--max-request-bytes", "99"])
+    assert (settings, rest) == (Settings(max_request_bytes=99, shutdown_grace=3.5), ["my-dat", "--port", "9"])
+    assert parse_settings(["my-dat"])[0] == Settings()
+    for bad in (["--max-request-bytes", "0"], ["--shutdown-grace", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_settings(bad)
+    hook_server(settings)
+    try:
+        assert uvicorn.Config(lambda scope, receive, send: None).timeout_graceful_shutdown == 3.5
+        assert uvicorn.Config(lambda scope, receive, send: None, timeout_graceful_shutdown=1).timeout_graceful_shutdown == 1
+    finally:
+        hook_server()
+
+
+def test_chat_needs_a_chat_template_and_prompts_are_measured_without_tokenizing_huge_texts(served):
+    """`check_prompt`: a tokenizer without a chat template gets a 400 naming it; a prompt longer than any of
+    `most_characters` is refused without a call to the tokenizer; one that fits is measured exactly."""
+    from transformers import AutoTokenizer
+
+    from dat_hf.serve import Refusal, check_prompt, most_characters
+
+    tokenizer = AutoTokenizer.from_pretrained(served["folder"])
+    model = SimpleNamespace(config=tiny_config())
+    messages = [{"role": "user", "content": "Hello"}]
+    check_prompt({"messages": messages}, "chat", model, tokenizer, messages, {})
+    tokenizer.chat_template = None
+    with pytest.raises(Refusal, match="no chat template") as refused:
+        check_prompt({"messages": messages}, "chat", model, tokenizer, messages, {})
+    assert refused.value.param == "messages"
+    limit = model.config.max_position_embeddings
+    longest = max(map(len, tokenizer.get_vocab()))
+    assert most_characters(tokenizer, limit) == 4 * limit * longest
+
+    class Counting:  # the tokenizer, its calls counted
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, text):
+            self.calls += 1
+            return tokenizer(text)
+
+        def get_vocab(self):
+            return tokenizer.get_vocab()
+
+    counting = Counting()
+    with pytest.raises(Refusal, match="without being tokenized"):
+        check_prompt({"prompt": "x" * (most_characters(tokenizer, limit) + 1)}, "completions", model, counting)
+    assert counting.calls == 0
+    with pytest.raises(Refusal, match=f"`max_position_embeddings` = {limit}"):
+        check_prompt({"prompt": "Enter " * limit}, "completions", model, counting)
+    check_prompt({"prompt": "Enter"}, "completions", model, counting)
+    assert counting.calls == 2
+
+
+def test_the_seams_in_transformers_serve_are_where_serve_py_expects_them():
+    """What dat_hf/serve.py wraps or reads in Transformers' server and uvicorn, as it expects it: a failure here is
+    the day upstream changed (then check whether it now does itself what the seam adds: body limits, field checks,
+    `stop` under continuous batching, a shutdown grace, `/v1/models/{id}`)."""
+    import inspect
+
+    import uvicorn
+    from transformers.cli.serving import chat_completion, completion, server, utils
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    def parameters(function):
+        return list(inspect.signature(function).parameters)
+
+    for manager in (utils.GenerateManager, utils.CBGenerateManager):
+        assert parameters(inspect.unwrap(manager.generate_streaming))[:6] == [
+            "self", "model", "processor", "inputs", "gen_config", "request_id"]
+        assert parameters(inspect.unwrap(manager.generate_non_streaming))[:6] == [
+            "self", "model", "processor", "inputs", "gen_config", "request_id"]
+    for handler in (completion.CompletionHandler, chat_completion.ChatCompletionHandler):
+        assert parameters(inspect.unwrap(handler.handle_request)) == ["self", "body", "request_id"]
+        assert callable(handler._resolve_model) and callable(handler.get_processor_inputs_from_messages)
+    assert parameters(inspect.unwrap(utils.BaseHandler._build_generation_config))[:3] == [
+        "self", "body", "model_generation_config"]
+    assert parameters(inspect.unwrap(server.build_server))[0] == "model_manager"
+    assert "timeout_graceful_shutdown" in parameters(uvicorn.config.Config.__init__)  # (uvicorn.Config: hooked)
+    assert {"stop_strings"} <= set(transformers.GenerationConfig().to_dict())
+    # the continuous-batching request: no stop strings (the seam reads the stream and cancels at the stop)
+    assert "stop_strings" not in parameters(ContinuousBatchingManager.add_request)
+    assert "result_handlers" in inspect.getsource(ContinuousBatchingManager.register_result_handler)
+    # what Transformers' server does with the fields the seam refuses or implements: ignored, with a log line
+    assert {"n", "logprobs", "echo"} <= completion.UNUSED_LEGACY_COMPLETION_FIELDS
+    assert {"n", "logprobs"} <= chat_completion.UNUSED_CHAT_COMPLETION_FIELDS
 
 
 def test_continuous_batching_falls_back_to_generate_where_it_cannot_serve_dat(caplog):

