@@ -278,13 +278,16 @@ def test_tensor_parallel_snippet_runs_under_torchrun(runs, tmp_path):
     (tmp_path / "runs" / "dat-343m").symlink_to(runs.model_folder)
     launch = shlex.split(snippet.code.splitlines()[0].lstrip("# "))[:4]
     assert launch == ["torchrun", "--nproc_per_node", "2", "tp.py"], launch
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), *launch[1:]]
+    # (each rank's output in a file of its own: on one pipe the two ranks' prints may interleave within a line)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--master_port", str(free_port()), "--log-dir",
+           str(tmp_path / "logs"), "--redirects", "1", *launch[1:]]
     start = time.perf_counter()
     proc = run_group(cmd, timeout=300, cwd=tmp_path, env=subprocess_env())
     print(f"\ntensor-parallel snippet (torchrun, 2 processes): {time.perf_counter() - start:.1f} s wall")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    generated = [line for line in proc.stdout.splitlines() if "The quick brown fox" in line]
-    assert len(generated) == 2 and generated[0] == generated[1], proc.stdout[-3000:]  # the same tokens on each rank
+    outputs = sorted((tmp_path / "logs").rglob("stdout.log"))
+    generated = [line for out in outputs for line in out.read_text().splitlines() if "The quick brown fox" in line]
+    assert len(outputs) == 2 and len(generated) == 2 and generated[0] == generated[1], generated  # same tokens
 
     from transformers import AutoModelForCausalLM
 
