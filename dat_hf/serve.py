@@ -9,7 +9,8 @@ clients it does not trust needs (docs/serving.md):
   so the class loaded is the one Transformers itself picks for the folder: dat_hf's where it is installed, else the
   folder's remote code (`--trust-remote-code`).
 - **Bodies.** A request body over `--max-request-bytes` (default 4 MiB) is refused with 413 from its `Content-Length`,
-  before it is read (a body without one, as soon as it passes the limit).
+  before it is read (a body without one, as soon as it passes the limit); one not sent within `--body-timeout`
+  seconds (default 30) gets 408.
 - **Fields.** Every field of a completion or chat request is checked before anything runs: a wrong type or range, a
   string that is not Unicode, or a field the server does not implement (`n > 1`, `logprobs`, `echo`, ...) gets a 400
   naming it (`{"error": {"message", "type", "param", "code"}}`, as the OpenAI API answers), on a connection that
@@ -64,6 +65,7 @@ class Settings:
 
     max_request_bytes: int = 4 * 2**20  # --max-request-bytes
     shutdown_grace: float = 10.0  # --shutdown-grace, seconds
+    body_timeout: float = 30.0  # --body-timeout, seconds
 
 
 SETTINGS = Settings()
@@ -76,15 +78,20 @@ def parse_settings(argv: list[str]) -> tuple[Settings, list[str]]:
                         help="Largest request body, in bytes: a larger one gets 413 before it is read.")
     parser.add_argument("--shutdown-grace", type=float, default=Settings.shutdown_grace,
                         help="Seconds the requests in flight have to finish after SIGTERM / Ctrl+C.")
+    parser.add_argument("--body-timeout", type=float, default=Settings.body_timeout,
+                        help="Seconds a client has to send a request's body: a slower one gets 408.")
     if "--help" in argv:
         print(f"{PROG_NAME}'s own flags (the others are `transformers serve`'s, below):")
-        print("\n".join(parser.format_help().splitlines()[2:]), end="\n\n")
+        lines = parser.format_help().splitlines()
+        print("\n".join(lines[lines.index("options:") + 1:]), end="\n\n")  # (the flags, without the usage)
     known, rest = parser.parse_known_args(argv)
     if known.max_request_bytes < 1:
         parser.error(f"--max-request-bytes must be a positive number of bytes, got {known.max_request_bytes}")
     if not known.shutdown_grace >= 0:
         parser.error(f"--shutdown-grace must be a number of seconds >= 0, got {known.shutdown_grace}")
-    return Settings(known.max_request_bytes, known.shutdown_grace), rest
+    if not known.body_timeout > 0:
+        parser.error(f"--body-timeout must be a number of seconds > 0, got {known.body_timeout}")
+    return Settings(known.max_request_bytes, known.shutdown_grace, known.body_timeout), rest
 
 
 def register_architectures():
@@ -570,8 +577,8 @@ async def _send_json(send, status: int, body: dict, headers=()):
 
 class RequestGuard:
     """ASGI middleware: a body over `SETTINGS.max_request_bytes` gets 413 (from `Content-Length` before a byte is
-    read; without one, once the limit is passed), the connection then closed; a request cancelled before its
-    answer started (the shutdown's grace period over) gets 503."""
+    read; without one, once the limit is passed), a body not sent within `SETTINGS.body_timeout` 408, the connection
+    then closed; a request cancelled before its answer started (the shutdown's grace period over) gets 503."""
 
     def __init__(self, app):
         self.app, self.in_flight = app, 0
@@ -613,8 +620,14 @@ class RequestGuard:
                 return await _send_json(send, 400, error_body("`Content-Length` must be a number of bytes."), close)
             return await _send_json(send, 413, too_large, close)
         body, more = bytearray(), True
+        deadline = asyncio.get_running_loop().time() + SETTINGS.body_timeout
         while more:
-            message = await receive()
+            try:  # (a client that holds its connection open without sending the body it announced)
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await _send_json(send, 408, error_body(
+                    f"The request body did not arrive within {SETTINGS.body_timeout} s (--body-timeout).", None, 408),
+                    close)
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")

@@ -532,6 +532,28 @@ def test_a_request_cut_short_by_the_shutdown_gets_503_before_the_process_ends():
     assert [message["type"] for message in sent["/stream"]] == ["http.response.start"]  # (then closed)
 
 
+def test_a_body_that_does_not_arrive_gets_408():
+    """A client that announces a body and holds the connection without sending it gets 408 after `--body-timeout`."""
+    from dat_hf.serve import RequestGuard, Settings, hook_server
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app runs only once the body is there")
+
+    async def never():
+        await asyncio.Event().wait()
+
+    sent = []
+    hook_server(Settings(body_timeout=0.2))
+    try:
+        start = time.monotonic()
+        asyncio.run(RequestGuard(app)({"type": "http", "path": "/v1/completions",
+                                       "headers": [(b"content-length", b"100")]}, never, _recorder(sent)))
+    finally:
+        hook_server()
+    assert sent[0]["status"] == 408 and b"--body-timeout" in sent[1]["body"], sent
+    assert 0.2 <= time.monotonic() - start < 2
+
+
 def _recorder(messages: list):
     async def send(message):
         messages.append(message)
@@ -553,10 +575,12 @@ def test_the_server_settings_reach_uvicorn_and_the_command_line():
 
     from dat_hf.serve import Settings, hook_server, parse_settings
 
-    settings, rest = parse_settings(["my-dat", "--shutdown-grace", "3.5", "--port", "9", "--max-request-bytes", "99"])
-    assert (settings, rest) == (Settings(max_request_bytes=99, shutdown_grace=3.5), ["my-dat", "--port", "9"])
+    settings, rest = parse_settings(["my-dat", "--shutdown-grace", "3.5", "--port", "9", "--max-request-bytes", "99",
+                                     "--body-timeout", "2"])
+    assert (settings, rest) == (Settings(max_request_bytes=99, shutdown_grace=3.5, body_timeout=2),
+                                ["my-dat", "--port", "9"])
     assert parse_settings(["my-dat"])[0] == Settings()
-    for bad in (["--max-request-bytes", "0"], ["--shutdown-grace", "-1"]):
+    for bad in (["--max-request-bytes", "0"], ["--shutdown-grace", "-1"], ["--body-timeout", "0"]):
         with pytest.raises(SystemExit):
             parse_settings(bad)
     hook_server(settings)
