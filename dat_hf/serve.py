@@ -120,12 +120,6 @@ def error_body(message: str, param: str | None = None, status: int = 400) -> dic
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def refusal_response(refusal: Refusal):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(error_body(refusal.message, refusal.param, refusal.status), status_code=refusal.status)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Request fields
 # ---------------------------------------------------------------------------------------------------------------------
@@ -349,26 +343,23 @@ def fit_to_context(model, inputs, generation_config):
 
 def _guarded(handle_request, endpoint: str):
     """A handler's `handle_request`, its request checked first: fields (`check_fields`) on the event loop, then the
-    prompt (`check_prompt`) on a worker thread; a `Refusal` is answered as OpenAI's API answers."""
+    prompt (`check_prompt`) on a worker thread (a `Refusal` is answered by the app's handler, `guard_app`)."""
 
     @functools.wraps(handle_request)
     async def wrapper(self, body: dict, request_id: str):
         from transformers.cli.serving.utils import Modality
 
-        try:
-            check_fields(body, endpoint)
-            _, model, processor = self._resolve_model(dict(body))
-            messages, template_kwargs = None, {}
-            if endpoint == "chat":
-                try:
-                    messages = self.get_processor_inputs_from_messages(body["messages"], Modality.LLM)
-                except (KeyError, TypeError, ValueError) as error:  # (a tool call without its fields, ...)
-                    raise Refusal(f"`messages` cannot be read: {error!r}.", "messages") from None
-                template_kwargs = {**self.chat_template_kwargs, **body.get("chat_template_kwargs", {})}
-            await asyncio.to_thread(check_prompt, body, endpoint, model, processor, messages, template_kwargs)
-            return await handle_request(self, body, request_id)
-        except Refusal as refusal:
-            return refusal_response(refusal)
+        check_fields(body, endpoint)
+        _, model, processor = self._resolve_model(dict(body))
+        messages, template_kwargs = None, {}
+        if endpoint == "chat":
+            try:
+                messages = self.get_processor_inputs_from_messages(body["messages"], Modality.LLM)
+            except (KeyError, TypeError, ValueError) as error:  # (a tool call without its fields, ...)
+                raise Refusal(f"`messages` cannot be read: {error!r}.", "messages") from None
+            template_kwargs = {**self.chat_template_kwargs, **body.get("chat_template_kwargs", {})}
+        await asyncio.to_thread(check_prompt, body, endpoint, model, processor, messages, template_kwargs)
+        return await handle_request(self, body, request_id)
 
     return wrapper
 
@@ -567,11 +558,13 @@ def _recorded(init_cb):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-async def _send_json(send, status: int, body: dict, headers=()):
-    payload = json.dumps(body).encode()
+async def _refuse(send, status: int, message: str):
+    """Answer `status` with OpenAI's error body through ASGI's `send`, and close the connection (the request's body
+    may be left unread)."""
+    payload = json.dumps(error_body(message, None, status)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            *headers]})
+                            (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -611,29 +604,26 @@ class RequestGuard:
 
     async def _guard(self, scope, receive, send):
         limit = SETTINGS.max_request_bytes
-        too_large = error_body(f"The request body is over this server's limit of {limit} bytes "
-                               f"(--max-request-bytes).", None, 413)
-        close = [(b"connection", b"close")]
+        too_large = f"The request body is over this server's limit of {limit} bytes (--max-request-bytes)."
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            if not length.isdigit():
-                return await _send_json(send, 400, error_body("`Content-Length` must be a number of bytes."), close)
-            return await _send_json(send, 413, too_large, close)
+        if length is not None and not length.isdigit():
+            return await _refuse(send, 400, "`Content-Length` must be a number of bytes.")
+        if length is not None and int(length) > limit:
+            return await _refuse(send, 413, too_large)
         body, more = bytearray(), True
         deadline = asyncio.get_running_loop().time() + SETTINGS.body_timeout
         while more:
             try:  # (a client that holds its connection open without sending the body it announced)
                 message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
             except asyncio.TimeoutError:
-                return await _send_json(send, 408, error_body(
-                    f"The request body did not arrive within {SETTINGS.body_timeout} s (--body-timeout).", None, 408),
-                    close)
+                return await _refuse(send, 408, f"The request body did not arrive within {SETTINGS.body_timeout} s "
+                                                f"(--body-timeout).")
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > limit:
-                return await _send_json(send, 413, too_large, close)
+                return await _refuse(send, 413, too_large)
         replayed = False
 
         async def replay():
@@ -654,19 +644,22 @@ class RequestGuard:
             await self.app(scope, replay, tracked)
         except asyncio.CancelledError:  # (uvicorn cancels what is left when the shutdown's grace period is over)
             if not started:
-                await _send_json(send, 503, error_body(f"The server is shutting down: the request did not finish "
-                                                       f"within the grace period ({SETTINGS.shutdown_grace} s).",
-                                                       None, 503), close)
+                await _refuse(send, 503, f"The server is shutting down: the request did not finish within the grace "
+                                         f"period ({SETTINGS.shutdown_grace} s).")
             # else a stream cut short: returning unfinished, its connection is closed
 
 
 def guard_app(app, model_manager):
-    """What `build_server`'s app gets: `RequestGuard`, OpenAI's error body for `HTTPException`s, and
-    `/v1/models/{id}`."""
+    """What `build_server`'s app gets: `RequestGuard`, OpenAI's error body for `Refusal`s (wherever raised: the
+    generation entries serve `/v1/responses` too) and Transformers' `HTTPException`s, and `/v1/models/{id}`."""
     from fastapi import HTTPException, Request
     from fastapi.responses import JSONResponse
 
     app.add_middleware(RequestGuard)
+
+    @app.exception_handler(Refusal)
+    async def refused(_request: Request, refusal: Refusal):
+        return JSONResponse(error_body(refusal.message, refusal.param, refusal.status), status_code=refusal.status)
 
     @app.exception_handler(HTTPException)
     async def openai_error(_request: Request, error: HTTPException):
