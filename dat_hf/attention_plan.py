@@ -21,7 +21,6 @@ from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBac
 # (the import registers the `sdpa` and `flex_attention` relational backends)
 from .relational_attention_fused import fused_values_limits
 from .sensory_attention import DAT_ATTENTION_FUNCTIONS, eager_attention_forward, flex_attention_forward
-from .tensor_parallel_dat import local_tensor
 
 
 class KernelMask(NamedTuple):
@@ -156,7 +155,7 @@ class PlannedRelational(PlannedAttention):
 
     def __call__(self, module, query, key, symbol_values, relation_queries, relation_keys, symbols_at=None):
         """Inputs as `eager_relational_attention` -> messages `[b, q, h, d_h]`; records the backend on `module`."""
-        args = (query, key, symbol_values, relation_queries, relation_keys, local_tensor(module.relation_proj),
+        args = (query, key, symbol_values, relation_queries, relation_keys, module.local_relation_proj(),
                 module.spec, module.attention_dropout if module.training else 0.0, symbols_at)
         if torch.compiler.is_compiling():
             return self._attend(*args)

@@ -2,8 +2,13 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Cache layers for DAT: keys `[b, h_kv, n, d_h]` and one flat value slot `[b, 1, n, width]` (`PackedCache`), so
-keys and values have their own head counts. `prepare_cache` gives a fresh cache these layers.
+"""DAT's cache in one module: one layer's packed layout (`PackedCache`: keys `[b, h_kv, n, d_h]` and one flat value
+slot `[b, 1, n, width]`, so keys and values have their own head counts), the layers that hold it in Transformers'
+caches (`prepare_cache`), and continuous batching (`PagedCache` over Transformers' `PagedAttentionCache`, each bias's
+mask over the packed requests, `continuous_batching_limits`: what it cannot serve).
+
+The model meets it through `open_cache` (a forward's cache), `packed_update` (a layer's write and read),
+`receiver_slots` (where the receivers sit among the keys) and `paged_masks`.
 """
 
 from functools import lru_cache, partial
@@ -11,8 +16,66 @@ from functools import lru_cache, partial
 import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
                                       StaticCache, StaticLayer, StaticSlidingWindowLayer)
+from transformers.generation.continuous_batching import PagedAttentionCache
+from transformers.masking_utils import and_masks, sliding_window_causal_mask_function
+
+from .masking_dat import RECEIVER_BLOCK, AttentionMask, transformers_window, with_row_validity
+from .relational_biases import RELATIONAL_BIASES, mask_function_of, pair_mask, relational_bias
+from .transformers_compat import paged_cache_limits
 
 
+# ---- the packed layout ----------------------------------------------------------------------------------------------
+class PackedCache:
+    """One cache layer's layout: keys `[b, h_kv_r + h_kv_s, n, d_h]` (relational first) and one flat value slot
+    `[b, 1, n, width]` = sensory values | symbol values | relation keys (those the layer has)."""
+
+    def __init__(self, sensory, relational, head_dim: int, shared_keys: bool = False):
+        self.head_dim = head_dim
+        self.key_heads = tuple(m.num_kv_heads for m in (relational, sensory)
+                               if m is not None and not (m is sensory and shared_keys))
+        value_heads = (sensory.num_kv_heads,) if sensory is not None else ()  # 0: relation keys `[b, n, R, d_r]`
+        if relational is not None:
+            value_heads += ((relational.num_kv_heads,) if not relational.relative_symbols else ()) + (0,)
+            self.relation_shape = (relational.num_relations, relational.relation_dim)
+        self.value_heads = value_heads
+        self.value_widths = tuple(h * head_dim if h else self.relation_shape[0] * self.relation_shape[1]
+                                  for h in value_heads)
+
+    def pack(self, keys: list, values: list):
+        """Keys `[b, h_kv, n, d_h]`, flat values `[b, n, width]` -> `[b, sum h_kv, n, d_h]`, `[b, 1, n, sum width]`."""
+        return (torch.cat(keys, dim=1) if len(keys) > 1 else keys[0],
+                (torch.cat(values, dim=-1) if len(values) > 1 else values[0])[:, None])
+
+    def unpack(self, key_cache, value_cache):
+        """-> (keys per head type `[b, h_kv, N, d_h]`, values: see `views`)."""
+        return self.views(key_cache, value_cache[:, 0].split(self.value_widths, dim=-1))
+
+    def views(self, key_cache, values: list):
+        """Keys `[b, sum h_kv, N, d_h]`, flat values -> keys per head type `[b, h_kv, N, d_h]`, `value_views`."""
+        return key_cache.split(self.key_heads, dim=1), self.value_views(values)
+
+    def value_views(self, values: list) -> list:
+        """Flat values `[b, N, width]` -> sensory/symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R, d_r]`."""
+        return [part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
+                else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
+
+
+def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int):
+    """Write one layer's keys `[b, h_k, n, d_h]` and flat values `[b, n, width]` (`packed`'s order) into `cache` and
+    read back all it holds -> `packed.views`' keys per head type and values. No cache: the new states' views; a
+    `PagedCache` writes its pages; a dynamic cache's in-place layer writes the parts into its buffers unpacked."""
+    if cache is None:
+        return packed.views(keys, values)
+    if isinstance(cache, PagedCache):
+        return cache.update_packed(packed, keys, values, layer_idx)
+    layers = cache.layers if type(cache) is DynamicCache else ()
+    if layer_idx < len(layers) and type(layers[layer_idx]) is InPlaceCacheLayer:
+        return layers[layer_idx].update_packed(packed, keys, values)
+    return packed.unpack(*cache.update(*packed.pack([keys], values), layer_idx))
+
+
+
+# ---- the layers of Transformers' caches -------------------------------------------------------------------------
 class InPlaceCacheLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room (`capacity`, doubled when
     full): a decoding step copies only the new token. If anything else replaced `keys`/`values` (crop, beam
@@ -198,6 +261,99 @@ class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
         return seen % self.max_cache_len if query_length == 1 else seen.clamp(max=self.max_cache_len - 1)
 
 
+def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
+                  cross_attention: bool = False) -> Cache | None:
+    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`/`DATStaticSlidingWindowLayer` in a `StaticCache`,
+    `InPlaceCacheLayer` (with `in_place`; `capacity`: expected length) in a `DynamicCache`; an `EncoderDecoderCache`'s
+    cross-attention half gets full layers. Returns `cache`."""
+    if isinstance(cache, EncoderDecoderCache):
+        prepare_cache(cache.self_attention_cache, capacity, in_place)
+        prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
+    elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        for i, layer in enumerate(cache.layers):
+            if layer.is_initialized:
+                continue
+            if type(layer) is DynamicLayer and in_place:
+                cache.layers[i] = InPlaceCacheLayer(capacity)
+            elif type(layer) is DynamicSlidingWindowLayer and cross_attention:
+                cache.layers[i] = InPlaceCacheLayer(capacity) if in_place else DynamicLayer()
+        if cache.layer_class_to_replicate is DynamicLayer and in_place:
+            cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
+    elif isinstance(cache, StaticCache):
+        for i, layer in enumerate(cache.layers):
+            unused = not layer.is_initialized or _initialized_ahead(layer)
+            if type(layer) is StaticLayer and unused:
+                cache.layers[i] = DATStaticLayer(layer.max_cache_len)
+            elif type(layer) is StaticSlidingWindowLayer and unused:
+                cache.layers[i] = (DATStaticLayer(None) if cross_attention
+                                   else DATStaticSlidingWindowLayer(layer.max_cache_len,
+                                                                    sliding_window=layer.max_cache_len))
+    return cache
+
+
+def _initialized_ahead(layer) -> bool:
+    """Whether a static layer was initialized ahead and holds no token (DAT resizes it); never while tracing."""
+    if not layer.is_initialized or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    return int(layer.cumulative_length) == 0
+
+
+def check_cache(cache: Cache) -> None:
+    """Raise for caches whose layers cannot hold DAT's packed keys and values."""
+    caches = ([cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache)
+              else [cache])
+    for part in caches:
+        for layer in part.layers:
+            if isinstance(layer, StaticLayer) and not isinstance(layer, DATStaticLayer):
+                raise ValueError(
+                    f"This cache's {type(layer).__name__}s were filled by another model, or initialized ahead with one "
+                    "shape for keys and values while exporting: DAT caches need their own layers (keys and values "
+                    "with different head counts, sized at their first update); pass a fresh cache. To export with a "
+                    "static cache (Transformers' `TorchExportableModuleForDecoderOnlyLM`), use "
+                    "`dat_hf.export.DATExportableModuleForDecoderOnlyLM`."
+                )
+
+
+def self_attention_cache(cache):
+    """The cache of the layers' own keys and values: an `EncoderDecoderCache`'s self-attention half, else `cache`."""
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
+def open_cache(cache, config, position_ids, start: bool, kwargs: dict):
+    """The cache one decoder forward reads and writes -> (cache, the tokens it held before this forward):
+    continuous batching's `PagedAttentionCache` as this batch's `PagedCache` (its arguments taken out of `kwargs`);
+    with `start`, a new `DynamicCache` (an `EncoderDecoderCache` for an encoder-decoder config); a given cache with
+    DAT's layers where unused (`prepare_cache`), checked (`check_cache`)."""
+    if isinstance(cache, PagedAttentionCache):
+        arguments = {name: kwargs.pop(name) for name in PAGED_ARGUMENTS if name in kwargs}
+        return PagedCache(cache, arguments, position_ids, config), 0
+    if start:
+        cache = DynamicCache(config=config)
+        if config.is_encoder_decoder:  # (the seq2seq decoder: its own keys and values, the source's)
+            cache = EncoderDecoderCache(cache, DynamicCache(config=config))
+    if cache is None:
+        return None, 0
+    check_cache(prepare_cache(cache, in_place=start))  # (a user's dynamic cache keeps its layers)
+    return cache, self_attention_cache(cache).get_seq_length()
+
+
+def receiver_slots(cache, layer_idx: int, query_length: int, clip: int) -> dict:
+    """Where this step's receivers sit among the keys `packed_update` returns for `layer_idx` (read before it), for
+    position-relative symbols (`RelativeSymbols`' fields): `offset` (the first receiver's index) and `ring` (a ring
+    cache's slots), or `index` (rows per pair, long `[q, kv]`, continuous batching); none without a cache."""
+    if isinstance(cache, PagedCache):
+        return {"index": cache.relative_position_index(layer_idx, clip)}
+    if cache is None:
+        return {}
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, DATStaticSlidingWindowLayer):
+        return {"offset": layer.query_slot(query_length).clone(), "ring": layer.max_cache_len}
+    # (a copy: a static layer's count is updated in place)
+    offset = cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
+    return {"offset": torch.as_tensor(offset).clone()}
+
+
+# ---- continuous batching -----------------------------------------------------------------------------------------
 # what continuous batching hands the forward for its paged cache (besides ids, positions, mask)
 PAGED_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "read_index", "write_index",
                    "block_table", "is_causal", "logits_indices", "logits_processor_args")
@@ -300,75 +456,85 @@ def paged_layout(widths: tuple[int, ...], head_dim: int) -> tuple[int, int, tupl
     return heads, 2 * half - width, tuple(pieces)
 
 
-def query_slot(cache: Cache, layer_idx: int, query_length: int):
-    """The first new token's index among the keys `cache.update` returns for `layer_idx` (read before it)."""
-    layer = cache.layers[layer_idx]
-    if isinstance(layer, DATStaticSlidingWindowLayer):
-        return layer.query_slot(query_length)
-    return cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
-
-
-def ring_layer(cache: Cache | None, layer_idx: int | None = None) -> DATStaticSlidingWindowLayer | None:
-    """`cache`'s layer `layer_idx` (default: first sliding layer) if a `DATStaticSlidingWindowLayer`, else None."""
-    layers = getattr(cache, "layers", ())
-    if layer_idx is None:
-        layer_idx = next((i for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False)), len(layers))
-    layer = layers[layer_idx] if layer_idx < len(layers) else None
-    return layer if isinstance(layer, DATStaticSlidingWindowLayer) else None
-
-
-def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
-                  cross_attention: bool = False) -> Cache | None:
-    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`/`DATStaticSlidingWindowLayer` in a `StaticCache`,
-    `InPlaceCacheLayer` (with `in_place`; `capacity`: expected length) in a `DynamicCache`; an `EncoderDecoderCache`'s
-    cross-attention half gets full layers. Returns `cache`."""
-    if isinstance(cache, EncoderDecoderCache):
-        prepare_cache(cache.self_attention_cache, capacity, in_place)
-        prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
-    elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
-        for i, layer in enumerate(cache.layers):
-            if layer.is_initialized:
+def paged_masks(attention_mask, config, cache) -> dict[str, AttentionMask]:
+    """Continuous batching's additive mask `[1, 1, M, N]` (or `{layer type: mask}`: causal order, or the window in
+    sliding layers, within each request) -> `{bias: AttentionMask}`: each bias's graph over the packed tokens'
+    positions (`PagedCache.position_ids`, `key_positions`) within its layers' mask: its mask function, a window in
+    full-attention layers. Raises ValueError without a mask."""
+    if attention_mask is None:
+        raise ValueError("Continuous batching gave no attention mask: DAT's heads run with 'sdpa' or 'eager' "
+                         "(`attn_implementation`), for which Transformers' manager builds one.")
+    masks = {}
+    for pair, kind in zip(config.layer_biases(), config.layer_types):
+        for bias in pair:
+            if bias in masks:  # (a bias's layers are all of one type: `DATConfig.layer_types`)
                 continue
-            if type(layer) is DynamicLayer and in_place:
-                cache.layers[i] = InPlaceCacheLayer(capacity)
-            elif type(layer) is DynamicSlidingWindowLayer and cross_attention:
-                cache.layers[i] = InPlaceCacheLayer(capacity) if in_place else DynamicLayer()
-        if cache.layer_class_to_replicate is DynamicLayer and in_place:
-            cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
-    elif isinstance(cache, StaticCache):
-        for i, layer in enumerate(cache.layers):
-            unused = not layer.is_initialized or _initialized_ahead(layer)
-            if type(layer) is StaticLayer and unused:
-                cache.layers[i] = DATStaticLayer(layer.max_cache_len)
-            elif type(layer) is StaticSlidingWindowLayer and unused:
-                cache.layers[i] = (DATStaticLayer(None) if cross_attention
-                                   else DATStaticSlidingWindowLayer(layer.max_cache_len,
-                                                                    sliding_window=layer.max_cache_len))
-    return cache
+            mask = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
+            allowed = mask if mask.dtype == torch.bool else mask == 0
+            graph = _paged_graph(relational_bias(bias), kind, config, cache)
+            if graph is not None:
+                allowed = allowed & graph[None, None]
+            # receiver blocks skip other requests' senders (not looked for under two blocks of receivers)
+            masks[bias] = with_row_validity(allowed, is_causal=False,
+                                            receiver_blocks=mask.shape[-2] >= 2 * RECEIVER_BLOCK)
+    return masks
 
 
-def _initialized_ahead(layer) -> bool:
-    """Whether a static layer was initialized ahead and holds no token (DAT resizes it); never while tracing."""
-    if not layer.is_initialized or torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
-    return int(layer.cumulative_length) == 0
+def _paged_graph(entry, kind: str, config, cache) -> torch.Tensor | None:
+    """Bias `entry`'s graph beyond its layers' paged mask (which holds causal order, and the window in sliding
+    layers), over receivers at `cache.position_ids` and the keys of `kind` -> bool `[M, N]`, or None if none."""
+    functions = []
+    if entry.window and kind != "sliding_attention":  # (a window in full-attention layers)
+        functions.append(sliding_window_causal_mask_function(transformers_window(config.sliding_window_size, False)))
+    function = mask_function_of(entry, config, cache.position_ids.device)
+    if function is not None:
+        functions.append(function)
+    if not functions:
+        return None
+    return pair_mask(and_masks(*functions), cache.position_ids, cache.key_positions(kind))
 
 
-def check_cache(cache: Cache) -> None:
-    """Raise for caches whose layers cannot hold DAT's packed keys and values."""
-    caches = ([cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache)
-              else [cache])
-    for part in caches:
-        for layer in part.layers:
-            if isinstance(layer, StaticLayer) and not isinstance(layer, DATStaticLayer):
-                raise ValueError(
-                    f"This cache's {type(layer).__name__}s were filled by another model, or initialized ahead with one "
-                    "shape for keys and values while exporting: DAT caches need their own layers (keys and values "
-                    "with different head counts, sized at their first update); pass a fresh cache. To export with a "
-                    "static cache (Transformers' `TorchExportableModuleForDecoderOnlyLM`), use "
-                    "`dat_hf.export.DATExportableModuleForDecoderOnlyLM`."
-                )
+def continuous_batching_limits(config, tp_size: int = 1) -> list[str]:
+    """Why continuous batching (packed requests over a paged cache, each bias's graph built over their positions:
+    `paged_masks`) cannot serve a model of `config` over `tp_size` tensor-parallel ranks: one line per reason, empty
+    when it can. The one list of what it refuses (a model's `continuous_batching_limits`: `init_continuous_batching`
+    raises it; `python -m dat_hf.serve` serves such models by `generate`)."""
+    if config.is_encoder_decoder:
+        limits = [f"{type(config).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"]
+    else:
+        limits = [f"`{name}`={bias!r}: {reason} (continuous batching serves {paged_biases()})"
+                  for name in ("relational_bias", "relational_heads_bias")
+                  for bias in dict.fromkeys(getattr(config, name) if isinstance(getattr(config, name), list)
+                                            else [getattr(config, name)])
+                  if bias is not None and (reason := paging_limit(bias)) is not None]
+        # CODEPATH: a refusal, no checkpoint: no released config sets `relational_attn_implementation`.
+        if config.relational_attn_implementation == "flex_attention":
+            limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "
+                          "tensors; leave it unset or use 'sdpa'/'eager')")
+        if tp_size > 1:
+            limits.append(f"a tensor-parallel DAT model (tp_size={tp_size}): the paged cache would split DAT's packed "
+                          "cache layer by key/value heads (call `generate` instead)")
+    release = paged_cache_limits()
+    return limits + ([release] if release else [])
 
 
-__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "PAGED_ARGUMENTS", "PagedCache",
-           "check_cache", "prepare_cache", "query_slot", "ring_layer"]
+def paging_limit(name: str) -> str | None:
+    """Why continuous batching cannot serve bias `name` (packed requests, its graph over their positions); None when
+    it can."""
+    bias = relational_bias(name)
+    if bias.inputs:
+        return f"its graph comes with each input (`{bias.inputs[0]}`), which packed requests do not carry"
+    if not bias.decoder:
+        return "not a graph for decoders"
+    return None
+
+
+def paged_biases() -> list[str]:
+    """The biases continuous batching serves (`paging_limit`)."""
+    return [name for name, bias in RELATIONAL_BIASES.items() if not bias.cross and paging_limit(name) is None]
+
+
+__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "PAGED_ARGUMENTS", "PackedCache",
+           "PagedCache", "check_cache", "continuous_batching_limits", "open_cache",
+           "packed_update", "paged_biases", "paged_layout", "paged_masks", "paging_limit", "prepare_cache",
+           "receiver_slots", "self_attention_cache"]

@@ -17,8 +17,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.utils import auto_docstring
 
-from .relational_biases import check_bias_field, layer_type, paged_biases, paging_limit
-from .tensor_parallel_dat import GATHER_STYLE, HEADS_STYLE
+from .relational_biases import check_bias_field, layer_type
 
 SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
@@ -58,26 +57,6 @@ def _check_float_fields(config):
             raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
 
 
-def dual_attention_tp_plan(path: str, sensory: bool, relational: bool, sensory_qk: bool = True,
-                           relation_keys: bool = True) -> dict[str, str]:
-    """Tensor-parallel styles of a dual attention module at `path` (`tensor_parallel_dat.py`): whole heads per rank
-    (projections colwise, W_r by head, `o_proj` rowwise), the relation projections gathered. Only the projections the
-    module has: `sensory_qk` False when the sensory heads use the relational heads' queries and keys
-    (`share_attention_params`), `relation_keys` False for symmetric relations."""
-    plan = {}
-    if sensory:
-        heads = (["q_proj", "k_proj"] if sensory_qk else []) + ["v_proj"]
-        plan.update({f"{path}.sensory.{name}": "colwise" for name in heads})
-        plan[f"{path}.sensory.o_proj"] = "rowwise"
-    if relational:
-        plan.update({f"{path}.relational.{name}": "colwise" for name in ("q_attn_proj", "k_attn_proj", "symbol_proj")})
-        plan[f"{path}.relational.relation_proj"] = HEADS_STYLE
-        plan.update({f"{path}.relational.{name}": GATHER_STYLE
-                     for name in ["q_rel_proj"] + (["k_rel_proj"] if relation_keys else [])})
-        plan[f"{path}.relational.o_proj"] = "rowwise"
-    return plan
-
-
 MAX_LAYERS = 10_000  # beyond any real model; a config.json asking for more is refused before anything is built
 
 
@@ -105,9 +84,18 @@ def _check_ranges(config):
             raise ValueError(f"`{name}` must be in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}.")
 
 
-# The fields every DAT config shares, in the format `auto_docstring` reads (each config's `__doc__` starts with them;
-# the type, `*optional*` and the default of each field come from the config class itself).
-DUAL_ATTENTION_ARGS = r"""
+@auto_docstring(
+    custom_intro=r"""
+    The fields shared by every DAT model (dual attention, symbols, relational biases, feed-forward, norms, positions),
+    validated at construction. Dimensions follow the paper: each layer has `num_sensory_heads` self-attention heads and
+    `num_relational_heads` relational heads of dimension `hidden_size // (num_sensory_heads + num_relational_heads)`;
+    relational heads send `sum_j a_ij (r(x_i, x_j) W_r + s_j W_s)`, where `r` has `num_relations` components, each an
+    inner product of `relation_dim`-dimensional projections, and `s_j` is the sender's symbol.
+    """
+)
+@strict
+class DualAttentionConfig(PreTrainedConfig):
+    r"""
     num_sensory_heads (`int`):
         Sensory (self-attention) heads per layer. All heads have dimension `head_dim = hidden_size //
         (num_sensory_heads + num_relational_heads)`; either head count may be 0, not both.
@@ -190,19 +178,9 @@ DUAL_ATTENTION_ARGS = r"""
         `attn_implementation`; an explicit choice that cannot run a call raises.
 """
 
-
-@auto_docstring(
-    custom_intro=r"""
-    The fields shared by every DAT model (dual attention, symbols, relational biases, feed-forward, norms, positions),
-    validated at construction. Dimensions follow the paper: each layer has `num_sensory_heads` self-attention heads and
-    `num_relational_heads` relational heads of dimension `hidden_size // (num_sensory_heads + num_relational_heads)`;
-    relational heads send `sum_j a_ij (r(x_i, x_j) W_r + s_j W_s)`, where `r` has `num_relations` components, each an
-    inner product of `relation_dim`-dimensional projections, and `s_j` is the sender's symbol.
-    """
-)
-@strict
-class DualAttentionConfig(PreTrainedConfig):
-    __doc__ = DUAL_ATTENTION_ARGS
+    # the fields every DAT config shares, in the format `auto_docstring` reads (each config's `__doc__` starts with
+    # them; the type, `*optional*` and the default of each field come from the config class itself)
+    fields_doc = __doc__
 
     hidden_size: int = 256
     num_hidden_layers: int = 4
@@ -247,6 +225,26 @@ class DualAttentionConfig(PreTrainedConfig):
     mlp_bias: bool = False
     initializer_range: float = 0.02
     relational_attn_implementation: str | None = None
+
+    # tensor parallelism (`tp_plan="auto"`), as Llama's: whole heads per rank (W_r by head: `dat_heads`), the relation
+    # projections gathered (`dat_gather`: every head reads every relation); the styles and checks are
+    # `tensor_parallel_dat.py`'s, and a model drops the rules naming modules its layers lack (`applicable_rules`)
+    base_model_tp_plan = {
+        "layers.*.dual_attn.sensory.q_proj": "colwise",
+        "layers.*.dual_attn.sensory.k_proj": "colwise",
+        "layers.*.dual_attn.sensory.v_proj": "colwise",
+        "layers.*.dual_attn.sensory.o_proj": "rowwise",
+        "layers.*.dual_attn.relational.q_attn_proj": "colwise",
+        "layers.*.dual_attn.relational.k_attn_proj": "colwise",
+        "layers.*.dual_attn.relational.symbol_proj": "colwise",
+        "layers.*.dual_attn.relational.relation_proj": "dat_heads",
+        "layers.*.dual_attn.relational.q_rel_proj": "dat_gather",
+        "layers.*.dual_attn.relational.k_rel_proj": "dat_gather",
+        "layers.*.dual_attn.relational.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
 
     # a causal model (its stack is a decoder) takes only the relational biases a decoder may use (`relational_biases`)
     causal_model: ClassVar[bool] = False
@@ -309,38 +307,6 @@ class DualAttentionConfig(PreTrainedConfig):
         `num_relational_key_value_heads`."""
         return -(-self.packed_cache_width // (2 * self.head_dim))
 
-    def layers_tp_plan(self, layers: str) -> dict[str, str]:
-        """Tensor-parallel styles of a stack of this config's layers at `layers` (e.g. `layers.*`): each layer's dual
-        attention (`dual_attention_tp_plan`) and MLP (gate and up colwise, down rowwise), as Llama's."""
-        sensory, relational = self.num_sensory_heads > 0, self.num_relational_heads > 0
-        plan = dual_attention_tp_plan(f"{layers}.dual_attn", sensory, relational,
-                                      sensory_qk=not (self.share_attention_params and sensory and relational),
-                                      relation_keys=not self.symmetric_relations)
-        mlp = (["gate_proj"] if self.hidden_act == "swiglu" else []) + ["up_proj"]
-        plan.update({f"{layers}.mlp.{name}": "colwise" for name in mlp})
-        plan[f"{layers}.mlp.down_proj"] = "rowwise"
-        return plan
-
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): the styles of the base model's modules, for
-        the projections this config's layers have (`layers_tp_plan`)."""
-        return self.layers_tp_plan("layers.*")
-
-    # names a plan may hold that the base model does not have (dropped by `base_model_tp_plan`'s setter)
-    tp_plan_absent: ClassVar[tuple[str, ...]] = ()
-
-    @property
-    def base_model_tp_plan(self) -> dict[str, str]:
-        """What Transformers reads: `tensor_parallel_plan`, or the plan set on this config (Transformers 5.17 sets
-        one at construction; neither is saved in config.json)."""
-        return self.__dict__.get("base_model_tp_plan") or self.tensor_parallel_plan()
-
-    @base_model_tp_plan.setter
-    def base_model_tp_plan(self, plan):
-        # Transformers 5.17 adds `embed_tokens` to a tied config's plan at construction; a base model without that
-        # module (seq2seq: its embeddings are named in its plan) drops it
-        self.__dict__["base_model_tp_plan"] = {k: v for k, v in (plan or {}).items() if k not in self.tp_plan_absent}
-
     def layer_bias(self, layer_idx: int, relational: bool) -> str:
         """The relational bias (attention graph) of one layer's sensory or relational heads."""
         return self.layer_biases()[layer_idx][int(relational)]
@@ -372,29 +338,6 @@ class DualAttentionConfig(PreTrainedConfig):
     @sliding_window.setter
     def sliding_window(self, value: int | None):
         self.sliding_window_size = None if value is None else value - 1
-
-    def continuous_batching_limits(self) -> list[str]:
-        """Why Transformers' continuous batching (packed batches over a paged cache; each bias's graph built over
-        the packed tokens' positions, `masking_dat.paged_masks`) cannot serve this configuration: one line per field
-        that stops it (and for an installed Transformers whose paged cache is not the one DAT's layers use); empty
-        when it can. The one list of what it refuses (`generate_batch` raises it; `python -m dat_hf.serve` serves
-        such models by `generate`)."""
-        from .transformers_compat import paged_cache_limits
-
-        release = paged_cache_limits()
-        if self.is_encoder_decoder:
-            return [f"{type(self).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"
-                    ] + ([release] if release else [])
-        limits = []
-        for name, bias in (("relational_bias", self.relational_bias), ("relational_heads_bias",
-                                                                        self.relational_heads_bias)):
-            for value in dict.fromkeys(bias if isinstance(bias, list) else [bias]):
-                if value is not None and (reason := paging_limit(value)) is not None:
-                    limits.append(f"`{name}`={value!r}: {reason} (continuous batching serves {paged_biases()})")
-        if self.relational_attn_implementation == "flex_attention":
-            limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "
-                          "tensors; leave it unset or use 'sdpa'/'eager')")
-        return limits + ([release] if release else [])
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_dual_attention(self):
@@ -484,7 +427,7 @@ class DualAttentionConfig(PreTrainedConfig):
 )
 @strict
 class DATConfig(DualAttentionConfig):
-    __doc__ = DUAL_ATTENTION_ARGS + r"""
+    __doc__ = DualAttentionConfig.fields_doc + r"""
     Example:
 
     ```python
@@ -516,5 +459,7 @@ class DATConfig(DualAttentionConfig):
                 "layers": (["hidden_states", "symbols"], ["hidden_states"]),
                 "norm": (["hidden_states"], ["hidden_states"])}
 
+
+DUAL_ATTENTION_ARGS = DualAttentionConfig.fields_doc
 
 __all__ = ["DualAttentionConfig", "DATConfig"]

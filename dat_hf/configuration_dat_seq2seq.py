@@ -20,7 +20,6 @@ from .configuration_dat import (
     _check_choice,
     _check_layers,
     _check_positive,
-    dual_attention_tp_plan,
 )
 from .relational_biases import check_bias_field
 
@@ -97,7 +96,15 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     attribute_map = {"decoder_layers": "num_hidden_layers"}
     causal_model = True  # (the decoder's biases; the encoder's are checked by `_validate_encoder`)
     bias_inputs = ()  # no per-input graph: neither stack takes `graph_adjacency`
-    tp_plan_absent = ("embed_tokens",)  # its embeddings are `encoder.embed_tokens` and `decoder.embed_tokens`
+    # tensor parallelism: both stacks' layers and the decoder's cross-attention, named from the seq2seq base model
+    # (which holds the plan of its encoder and decoder); token embeddings by vocabulary (as Llama's)
+    base_model_tp_plan = {
+        "encoder.embed_tokens": "embedding_rowwise", "decoder.embed_tokens": "embedding_rowwise",
+        **{f"{stack}.{rule}": style for stack in ("encoder", "decoder")
+           for rule, style in DualAttentionConfig.base_model_tp_plan.items()},
+        **{rule.replace("layers.*.dual_attn", "decoder.layers.*.cross_attn"): style
+           for rule, style in DualAttentionConfig.base_model_tp_plan.items() if ".dual_attn." in rule},
+    }
 
     is_encoder_decoder: bool = True
     encoder_layers: int = 4
@@ -157,16 +164,6 @@ class DATSeq2SeqConfig(DualAttentionConfig):
     @property
     def cross_head_dim(self) -> int:
         return self.hidden_size // (self.cross_sensory_heads + self.cross_relational_heads)
-
-    def tensor_parallel_plan(self) -> dict[str, str]:
-        """Tensor parallelism (`tp_plan="auto"`): both stacks' layers and the decoder's cross-attention, named from
-        the seq2seq base model (which holds the plan of its encoder and decoder); token embeddings by vocabulary (as
-        Llama's, whose LM head is sharded the same way)."""
-        plan = {"encoder.embed_tokens": "embedding_rowwise", "decoder.embed_tokens": "embedding_rowwise",
-                **self.layers_tp_plan("encoder.layers.*"), **self.layers_tp_plan("decoder.layers.*")}
-        plan.update(dual_attention_tp_plan("decoder.layers.*.cross_attn", self.cross_sensory_heads > 0,
-                                           self.cross_relational_heads > 0, relation_keys=not self.symmetric_relations))
-        return plan
 
     @property
     def decoder_uses_symbols(self) -> bool:

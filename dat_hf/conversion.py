@@ -58,7 +58,8 @@ def _copy_norm(ours, ref):
     ours.weight.copy_(ref.weight.detach())
     if getattr(ref, "bias", None) is not None:
         ours.bias.copy_(ref.bias.detach())
-    ours.eps = getattr(ref, "eps", getattr(ours, "eps", None))
+    name = "variance_epsilon" if hasattr(ours, "variance_epsilon") else "eps"  # (an RMSNorm's, a LayerNorm's)
+    setattr(ours, name, getattr(ref, "eps", getattr(ours, name)))
 
 
 # ---- config ------------------------------------------------------------------------------------------------------

@@ -14,21 +14,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import DynamicCache
+from transformers.models.llama.modeling_llama import rotate_half
 
 from .attention_plan import PlannedRelational, PlannedSensory
-from .cache_dat import InPlaceCacheLayer, PagedCache, query_slot, ring_layer
+from .cache_dat import PackedCache, packed_update, receiver_slots
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights)
 from .sensory_attention import eager_attention_forward, eager_attention_weights, repeat_kv
-from .tensor_parallel_dat import (GATHER_STYLE, column_sharded, local_rows, local_tensor, localize_heads,
-                                  plan_rule, sharded_projections)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+from .tensor_parallel_dat import column_sharded, local_rows, local_tensor, sharded_projections
 
 
 @replaceable("rotary")
@@ -146,6 +140,9 @@ class SensoryAttention(nn.Module):
     """Multi-head self-attention (GQA) through `attention`, this forward's plan entry: q `[b, h, q, d_h]`, k, v
     `[b, h_kv, kv, d_h]` (RoPE applied) -> output `[b, q, h * d_h]`, None."""
 
+    # what tensor parallelism shards by head (`tensor_parallel_dat.use_local_heads`)
+    head_parameters = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
@@ -191,6 +188,10 @@ class RelationalAttention(nn.Module):
     through `attention`, this forward's plan entry (its backend is recorded as `relational_attention_backend`).
     """
 
+    # what tensor parallelism shards by head, and what every head reads whole (`tensor_parallel_dat.use_local_heads`)
+    head_parameters = ("q_attn_proj", "k_attn_proj", "symbol_proj", "relation_proj")
+    gathered_projections = ("q_rel_proj", "k_rel_proj")
+
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
@@ -225,16 +226,20 @@ class RelationalAttention(nn.Module):
         self.o_proj.residual_init = True
         self.spec = RelationalSpec(self.num_key_value_groups, self.scaling, self.relation_scaling, self.relation_act)
 
+    def local_relation_proj(self):
+        """W_r `[h, d_h, R]` of this rank's heads (tensor parallelism shards it by head)."""
+        return local_tensor(self.relation_proj)
+
     def project_symbols(self, symbols):
         """The position-relative symbol table `[2K + 1, d]` -> symbol values `[2K + 1, h_kv, d_h]`."""
         return self.symbol_proj(symbols).view(symbols.shape[0], -1, self.head_dim)
 
-    def symbols_at(self, query_offset=None, ring: int | None = None, relative_position_index=None):
-        """A `RelativeSymbols` (None for symbols per sender): `query_offset` default kv - q; `ring` slots;
-        `relative_position_index` long `[q, kv]`, precomputed rows."""
+    def symbols_at(self, offset=None, ring: int | None = None, index=None):
+        """A `RelativeSymbols` (None for symbols per sender): `offset` of the first receiver among the keys (default
+        kv - q); `ring` slots; `index` long `[q, kv]`, precomputed rows."""
         if not self.relative_symbols:
             return None
-        return RelativeSymbols(self.max_relative_position, query_offset, ring, relative_position_index)
+        return RelativeSymbols(self.max_relative_position, offset, ring, index)
 
     def forward(self, query, key, symbol_values, relation_queries, relation_keys, attention: PlannedRelational,
                 symbols_at: RelativeSymbols | None = None, **kwargs):
@@ -258,43 +263,8 @@ class RelationalAttention(nn.Module):
         symbol_index = None if symbols_at is None else symbols_at.rows(0, q_len, q_len, kv_len, weights.device)
         messages = relational_messages(weights, relations,
                                        per_head_symbols(symbol_values, self.num_key_value_groups, b),
-                                       local_tensor(self.relation_proj), symbol_index)
+                                       self.local_relation_proj(), symbol_index)
         return self.o_proj(messages.reshape(b, q_len, -1))
-
-
-class PackedCache:
-    """One cache layer's layout: keys `[b, h_kv_r + h_kv_s, n, d_h]` (relational first) and one flat value slot
-    `[b, 1, n, width]` = sensory values | symbol values | relation keys (those the layer has)."""
-
-    def __init__(self, sensory, relational, head_dim: int, shared_keys: bool = False):
-        self.head_dim = head_dim
-        self.key_heads = tuple(m.num_kv_heads for m in (relational, sensory)
-                               if m is not None and not (m is sensory and shared_keys))
-        value_heads = (sensory.num_kv_heads,) if sensory is not None else ()  # 0: relation keys `[b, n, R, d_r]`
-        if relational is not None:
-            value_heads += ((relational.num_kv_heads,) if not relational.relative_symbols else ()) + (0,)
-            self.relation_shape = (relational.num_relations, relational.relation_dim)
-        self.value_heads = value_heads
-        self.value_widths = tuple(h * head_dim if h else self.relation_shape[0] * self.relation_shape[1]
-                                  for h in value_heads)
-
-    def pack(self, keys: list, values: list):
-        """Keys `[b, h_kv, n, d_h]`, flat values `[b, n, width]` -> `[b, sum h_kv, n, d_h]`, `[b, 1, n, sum width]`."""
-        return (torch.cat(keys, dim=1) if len(keys) > 1 else keys[0],
-                (torch.cat(values, dim=-1) if len(values) > 1 else values[0])[:, None])
-
-    def unpack(self, key_cache, value_cache):
-        """-> (keys per head type `[b, h_kv, N, d_h]`, values: see `views`)."""
-        return self.views(key_cache, value_cache[:, 0].split(self.value_widths, dim=-1))
-
-    def views(self, key_cache, values: list):
-        """Keys `[b, sum h_kv, N, d_h]`, flat values -> keys per head type `[b, h_kv, N, d_h]`, `value_views`."""
-        return key_cache.split(self.key_heads, dim=1), self.value_views(values)
-
-    def value_views(self, values: list) -> list:
-        """Flat values `[b, N, width]` -> sensory/symbol values `[b, h_kv, N, d_h]`, relation keys `[b, N, R, d_r]`."""
-        return [part.view(*part.shape[:2], heads, self.head_dim).transpose(1, 2) if heads
-                else part.view(*part.shape[:2], *self.relation_shape) for heads, part in zip(self.value_heads, values)]
 
 
 @replaceable("dual_attention_step")
@@ -303,15 +273,6 @@ def fused_decoding_step(module, hidden_states, symbols, position_embeddings, sen
     """A decoding step of `module` (a `DualAttention`) as one kernel: its forward's outputs, or None (the reference:
     no kernel takes this step, the forward computes it part by part)."""
     return None
-
-
-def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int):
-    """`cache.update` of one layer in `packed`'s layout -> `packed.unpack`'s views; a dynamic cache's in-place layer
-    writes the parts into its buffers without packing them first."""
-    layers = cache.layers if type(cache) is DynamicCache else ()
-    if layer_idx < len(layers) and type(layers[layer_idx]) is InPlaceCacheLayer:
-        return layers[layer_idx].update_packed(packed, keys, values)
-    return packed.unpack(*cache.update(*packed.pack([keys], values), layer_idx))
 
 
 class DualAttention(nn.Module):
@@ -374,26 +335,13 @@ class DualAttention(nn.Module):
             relation_queries = parts[0].view(b, n, relational.num_relations, relational.relation_dim)
             if relational.relative_symbols:
                 symbol_values = relational.project_symbols(symbols)  # the per-offset table, not cached
-                # receivers' index among the cached keys (a copy: a static layer's count is updated in place)
-                query_offset = ring = None
-                if isinstance(cache, PagedCache):  # rows per pair
-                    relative_position_index = cache.relative_position_index(self.layer_idx,
-                                                                            relational.max_relative_position)
-                elif cache is not None:
-                    query_offset = torch.as_tensor(query_slot(cache, self.layer_idx, n)).clone()
-                    ring = ring_layer(cache, self.layer_idx)
-                symbols_at = relational.symbols_at(query_offset, None if ring is None else ring.max_cache_len,
-                                                   relative_position_index)
+                slots = receiver_slots(cache, self.layer_idx, n, relational.max_relative_position)
+                symbols_at = relational.symbols_at(**{"index": relative_position_index, **slots})
             else:
                 symbol_values = relational.symbol_proj(symbols)
                 values.append(symbol_values if symbol_values.shape[0] == b else symbol_values.expand(b, n, -1))
             values.append(parts[-1])  # relation keys (the relation queries for symmetric relations)
-        if isinstance(cache, PagedCache):
-            keys, values = cache.update_packed(self.packed, key_cache, values, self.layer_idx)
-        elif cache is not None:
-            keys, values = packed_update(cache, self.packed, key_cache, values, self.layer_idx)
-        else:
-            keys, values = self.packed.views(key_cache, values)
+        keys, values = packed_update(cache, self.packed, key_cache, values, self.layer_idx)
         queries = keys_queries[:, self._key_heads_total:].split(self._query_heads, dim=1)
         q_r, k_r = queries[0], keys[0]
         q_s, k_s = (q_r, k_r) if self.share_qk else (queries[-1], keys[-1])
@@ -417,27 +365,6 @@ def dual_attention_outputs(sensory, relational, sensory_inputs, relational_input
     return (torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]), None, None
 
 
-def use_local_heads(model, tp_size: int) -> None:
-    """After TP sharding: each attention module keeps its rank's heads. Raises ValueError if a relation projection
-    is sharded other than by `dat_gather` (every head reads every relation)."""
-    plan = model.tp_plan or {}
-    for name, module in model.named_modules():
-        if isinstance(module, SensoryAttention):
-            localize_heads(module, name, tp_size, ["q_proj", "k_proj", "v_proj"])
-        elif isinstance(module, RelationalAttention):
-            localize_heads(module, name, tp_size, ["q_attn_proj", "k_attn_proj", "symbol_proj", "relation_proj"])
-            for part in ("q_rel_proj", "k_rel_proj"):
-                linear = getattr(module, part, None)
-                style = plan.get(plan_rule(f"{name}.{part}"))
-                if linear is not None and local_rows(linear) != linear.out_features and style != GATHER_STYLE:
-                    raise ValueError(f"The tensor-parallel plan shards {name}.{part} by {style!r}: every relational "
-                                     f"head reads every relation, so the relation projections are replicated or "
-                                     f"sharded with their outputs gathered ({GATHER_STYLE!r}).")
-    for module in model.modules():
-        if hasattr(module, "plan_projections"):
-            module.plan_projections()
-
-
-__all__ = ["DualAttention", "FusedProjections", "PackedCache", "SensoryAttention", "RelationalAttention",
+__all__ = ["DualAttention", "FusedProjections", "SensoryAttention", "RelationalAttention",
            "DATRotaryEmbedding", "apply_rotary", "project_fused", "dual_attention_outputs", "eager_attention_forward",
-           "fused_linear", "use_local_heads"]
+           "fused_linear"]

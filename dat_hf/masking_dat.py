@@ -16,13 +16,12 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.exc import CppCompileError
 from torch.nn.attention.flex_attention import create_block_mask
-from transformers.masking_utils import (and_masks, create_bidirectional_mask, create_bidirectional_sliding_window_mask,
+from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
                                         create_causal_mask, create_sliding_window_causal_mask,
                                         sliding_window_bidirectional_mask_function,
                                         sliding_window_causal_mask_function)
 
-from .cache_dat import ring_layer
-from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, mask_function_of, pair_mask, relational_bias
+from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, mask_function_of, relational_bias
 from .transformers_compat import cache_kwargs
 
 
@@ -283,7 +282,7 @@ def _sliding_window_without_dense_mask(previous: int, two_sided: bool, inputs_em
     return AttentionMask(None, window_mask.row_valid(), not two_sided, receiver_blocks=blocks, window=window_mask)
 
 
-def _with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None,
+def with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None,
                        receiver_blocks: bool = True) -> AttentionMask:
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
@@ -329,7 +328,7 @@ def _both_formats(create, config, sliding_window=None, **kwargs):
     """(dense mask, BlockMask or None) from a `masking_utils` mask function. Where Inductor cannot build the C++ of
     Transformers' compiled `create_block_mask` (`CppCompileError`; PyTorch 2.13-2.14.1 over one key and several rows:
     a mask function's reads of a `[b, 1]` tensor, the sparse graph's positions or the padding, vectorized along the
-    batch), the BlockMask is the dense mask, which `_with_row_validity` converts without compiling (one warning)."""
+    batch), the BlockMask is the dense mask, which `with_row_validity` converts without compiling (one warning)."""
     dense = create(config=MaskBuilderConfig("sdpa", sliding_window), **kwargs)
     block = None
     if uses_flex_attention(config):
@@ -391,10 +390,12 @@ def build_attention_mask(
                 blockwise.block_mask = create(config=MaskBuilderConfig("flex_attention", window), **inputs)
             return blockwise
         dense, block = _both_formats(create, config, window, **inputs)
-        ring = ring_layer(cache)  # a one-token step over a ring cache: keys in slot order
-        if ring is not None and dense is not None and (in_slots := ring.to_slots(dense)) is not dense:
+        # a one-token step over a ring cache (its sliding layers' `to_slots`, `cache_dat`): keys in slot order
+        layer = next((layer for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)), None)
+        to_slots = getattr(layer, "to_slots", None)
+        if to_slots is not None and dense is not None and (in_slots := to_slots(dense)) is not dense:
             dense, block = in_slots, None if block is None else in_slots
-        return _with_row_validity(dense, is_causal=ordered, block_mask=block, receiver_blocks=receiver_blocks)
+        return with_row_validity(dense, is_causal=ordered, block_mask=block, receiver_blocks=receiver_blocks)
     and_fn = mask_function_of(entry, config, inputs_embeds.device, attention_mask=attention_mask,
                               graph_adjacency=graph_adjacency)
     if ordered:
@@ -404,7 +405,7 @@ def build_attention_mask(
         masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
                               attention_mask=attention_mask, **cache_kwargs(cache),
                               and_mask_function=and_fn)
-    return _with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1], receiver_blocks=receiver_blocks)
+    return with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1], receiver_blocks=receiver_blocks)
 
 
 def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, encoder_attention_mask) -> AttentionMask:
@@ -413,7 +414,7 @@ def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, enc
         encoder_attention_mask = encoder_attention_mask.bool()
     dense, block = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
                                  attention_mask=encoder_attention_mask, encoder_hidden_states=encoder_hidden_states)
-    return _with_row_validity(dense, is_causal=relational_bias(CROSS_ATTENTION_BIAS).ordered, block_mask=block)
+    return with_row_validity(dense, is_causal=relational_bias(CROSS_ATTENTION_BIAS).ordered, block_mask=block)
 
 
 def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, AttentionMask]:
@@ -422,46 +423,8 @@ def prebuilt_masks(masks: dict, biases, causal=True, flex=False) -> dict[str, At
     missing = set(biases) - set(masks)
     if missing:
         raise ValueError(f"`attention_mask` as a dict must hold a mask for every relational bias; missing {missing}.")
-    return {bias: _with_row_validity(masks[bias], is_causal=is_ordered(bias, causal),
+    return {bias: with_row_validity(masks[bias], is_causal=is_ordered(bias, causal),
                                      block_mask=masks[bias] if flex else None) for bias in dict.fromkeys(biases)}
-
-
-def paged_masks(attention_mask, config, cache) -> dict[str, AttentionMask]:
-    """Continuous batching's additive mask `[1, 1, M, N]` (or `{layer type: mask}`: causal order, or the window in
-    sliding layers, within each request) -> `{bias: AttentionMask}`: each bias's graph over the packed tokens'
-    positions (`PagedCache.position_ids`, `key_positions`) within its layers' mask: its mask function, a window in
-    full-attention layers. Raises ValueError without a mask."""
-    if attention_mask is None:
-        raise ValueError("Continuous batching gave no attention mask: DAT's heads run with 'sdpa' or 'eager' "
-                         "(`attn_implementation`), for which Transformers' manager builds one.")
-    masks = {}
-    for pair, kind in zip(config.layer_biases(), config.layer_types):
-        for bias in pair:
-            if bias in masks:  # (a bias's layers are all of one type: `DATConfig.layer_types`)
-                continue
-            mask = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
-            allowed = mask if mask.dtype == torch.bool else mask == 0
-            graph = _paged_graph(relational_bias(bias), kind, config, cache)
-            if graph is not None:
-                allowed = allowed & graph[None, None]
-            # receiver blocks skip other requests' senders (not looked for under two blocks of receivers)
-            masks[bias] = _with_row_validity(allowed, is_causal=False,
-                                             receiver_blocks=mask.shape[-2] >= 2 * RECEIVER_BLOCK)
-    return masks
-
-
-def _paged_graph(entry, kind: str, config, cache) -> torch.Tensor | None:
-    """Bias `entry`'s graph beyond its layers' paged mask (which holds causal order, and the window in sliding
-    layers), over receivers at `cache.position_ids` and the keys of `kind` -> bool `[M, N]`, or None if none."""
-    functions = []
-    if entry.window and kind != "sliding_attention":  # (a window in full-attention layers)
-        functions.append(sliding_window_causal_mask_function(transformers_window(config.sliding_window_size, False)))
-    function = mask_function_of(entry, config, cache.position_ids.device)
-    if function is not None:
-        functions.append(function)
-    if not functions:
-        return None
-    return pair_mask(and_masks(*functions), cache.position_ids, cache.key_positions(kind))
 
 
 def prebuildable(mask: AttentionMask) -> torch.Tensor | None:
@@ -485,4 +448,4 @@ def build_masks(biases, config, inputs_embeds, attention_mask, cache=None, posit
 
 
 __all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "build_cross_attention_mask",
-           "build_masks", "causal_order", "paged_masks", "prebuildable", "prebuilt_masks"]
+           "build_masks", "causal_order", "prebuildable", "prebuilt_masks", "with_row_validity"]

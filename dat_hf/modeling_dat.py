@@ -20,27 +20,29 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.generation.continuous_batching import PagedAttentionCache
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig
-from .cache_dat import PAGED_ARGUMENTS, PagedCache, check_cache, prepare_cache
-from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention, use_local_heads
+from .cache_dat import (PagedCache, continuous_batching_limits, open_cache, paged_masks, prepare_cache,
+                        self_attention_cache)
+from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import check_inputs, replaceable
 from .attention_plan import AttentionPlan, gradients_flow
-from .masking_dat import build_masks, paged_masks, prebuildable, prebuilt_masks, uses_flex_attention
+from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
+from .tensor_parallel_dat import applicable_rules, use_local_heads
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
 from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
 
@@ -68,17 +70,8 @@ class DATCausalLMOutputWithPast(CausalLMOutputWithPast):
     relations: tuple[torch.FloatTensor, ...] | None = None
 
 
-class DATRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x):
-        # x / rms(x) * w, computed in float32 (no dtype round trip for float32 inputs: two operators per norm)
-        xf = x if x.dtype == torch.float32 else x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed if xf is x else normed.type_as(x)) * self.weight
+class DATRMSNorm(LlamaRMSNorm):
+    """`x / rms(x) * w`, computed in float32 (Llama's RMSNorm). `[..., d]` -> `[..., d]`."""
 
 
 def make_norm(config) -> nn.Module:
@@ -206,11 +199,6 @@ def init_text_stack(model, config, vocab_size: int, layers: list, **stack):
     init_dat_stack(model, config, layers, **stack)
 
 
-def self_attention_cache(cache):
-    """The cache of the layers' own keys and values: an `EncoderDecoderCache`'s self-attention half, else `cache`."""
-    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-
-
 def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=None, graph_adjacency=None,
                 causal=True, output_attentions=False):
     """Every layer's (sensory, relational) biases and this forward's attention plan: each distinct bias's mask built
@@ -243,23 +231,6 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     return layer_biases, plan
 
 
-def paged_arguments(cache, kwargs: dict) -> dict | None:
-    """For continuous batching (a `PagedAttentionCache`), the arguments of its batch taken out of `kwargs` (they
-    serve the cache, not the attention functions); else None."""
-    if not isinstance(cache, PagedAttentionCache):
-        return None
-    return {name: kwargs.pop(name) for name in PAGED_ARGUMENTS if name in kwargs}
-
-
-def check_continuous_batching(config) -> None:
-    """Refuse, naming every reason, what continuous batching cannot serve (`DATConfig.continuous_batching_limits`:
-    the config's fields, an encoder-decoder, a Transformers release whose paged cache differs)."""
-    limits = config.continuous_batching_limits()
-    if limits:
-        raise ValueError("Continuous batching cannot serve this DAT model: " + "; ".join(limits) + ". Batch the "
-                         "prompts with padding and call `generate` instead.")
-
-
 def starts_cache(model, use_cache, cache) -> bool:
     """Whether a decoder forward starts its own cache: asked for, none given, and not a training forward (train mode,
     gradients on), whose cache nothing would read."""
@@ -281,37 +252,24 @@ def resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_le
 
 
 def prepare_decoder_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs,
-                           paged=None, prefix=""):
-    """The start of a decoder forward (`DATModel`'s and the seq2seq decoder's): the inputs checked, the tokens
-    embedded, the cache started when asked for (an `EncoderDecoderCache` for an encoder-decoder config) and given
-    DAT's layers, the positions resolved; for continuous batching (`paged`, from `paged_arguments`) the batch's paged
-    cache wrapped (`PagedCache`). `kwargs` loses the output flags that the layers do not take.
+                           prefix=""):
+    """The start of a decoder forward (`DATModel`'s and the seq2seq decoder's): its cache (`cache_dat.open_cache`:
+    continuous batching's paged cache, a cache started when asked for, a given one with DAT's layers), the inputs
+    checked, the tokens embedded, the positions resolved. `kwargs` loses the output flags that the layers do not take.
 
     -> (inputs_embeds `[b, n, d]`, cache, position_ids `[b|1, n]`, the positions for the mask builder: see
     `resolve_position_ids`)."""
     config = model.config
-    past_seen = self_attention_cache(cache).get_seq_length() if cache is not None and paged is None else 0
-    check_inputs("text_inputs", input_ids, inputs_embeds, attention_mask if paged is None else None, position_ids,
-                 past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
+    cache, past_seen = open_cache(cache, config, position_ids, starts_cache(model, use_cache, cache), kwargs)
+    check_inputs("text_inputs", input_ids, inputs_embeds, None if isinstance(cache, PagedCache) else attention_mask,
+                 position_ids, past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
     if inputs_embeds is None:
         inputs_embeds = model.embed_tokens(input_ids)
     batch_size, seq_len, _ = inputs_embeds.shape
     kwargs.pop("output_relations", None)
     kwargs.pop("output_hidden_states", None)
-
-    if paged is None:
-        starts_own_cache = starts_cache(model, use_cache, cache)  # (a user's dynamic cache keeps its layers)
-        if starts_own_cache:
-            cache = DynamicCache(config=config)
-            if config.is_encoder_decoder:  # (the seq2seq decoder: its own keys and values, the source's)
-                cache = EncoderDecoderCache(cache, DynamicCache(config=config))
-        if cache is not None:  # DAT's layers: keys and values have their own head counts
-            check_cache(prepare_cache(cache, in_place=starts_own_cache))
-        past_seen = self_attention_cache(cache).get_seq_length() if cache is not None else 0
     position_ids, mask_positions = resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len,
                                                         past_seen, inputs_embeds.device, prefix + "position_ids")
-    if paged is not None:
-        cache = PagedCache(cache, paged, position_ids, config)
     return inputs_embeds, cache, position_ids, mask_positions
 
 
@@ -452,6 +410,12 @@ class DATPreTrainedModel(PreTrainedModel):
         and loading again if a save commits during the load (`SAVE_LOAD_HOOKS`)."""
         return SAVE_LOAD_HOOKS["load"](cls, super().from_pretrained, pretrained_model_name_or_path, *args, **kwargs)
 
+    def init_parallel_plans(self) -> None:
+        """Transformers' plans, the tensor-parallel rules naming modules this model lacks dropped (`applicable_rules`:
+        the config's plan, `base_model_tp_plan`, names every projection a DAT layer may have)."""
+        super().init_parallel_plans()
+        self._tp_plan = applicable_rules(self, self._tp_plan)
+
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """Transformers' parallelism (`tp_plan="auto"`, `DistributedConfig`) before the weights load; under tensor
@@ -533,15 +497,13 @@ class DATModel(DATPreTrainedModel):
             sequence_length, hidden_size)`, the cache, and on request the hidden states, the attention weights of every
             head and the relations.
         """
-        # continuous batching (`generate_batch`): one packed row of many requests' tokens over a paged cache
-        paged = paged_arguments(cache, kwargs)
         inputs_embeds, cache, position_ids, mask_positions = prepare_decoder_inputs(
-            self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, paged)
+            self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs)
         hidden_states = run_text_stack(self, inputs_embeds, attention_mask, cache, position_ids, mask_positions,
                                        self.symbol_retrievers, kwargs, graph_adjacency)
-        if paged is not None:
-            cache = cache.cache
-        return DATModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
+        # (continuous batching: one packed row of many requests' tokens over the manager's paged cache)
+        return DATModelOutputWithPast(last_hidden_state=hidden_states,
+                                      **cache_kwargs(cache.cache if isinstance(cache, PagedCache) else cache))
 
     @staticmethod
     def _default_position_ids(attention_mask, batch_size, seq_len, past_seen, device):
@@ -582,13 +544,17 @@ class DATGenerationMixin(GenerationMixin):
         """Transformers' continuous batching (`generate_batch`, `init_continuous_batching`, `transformers serve
         --continuous-batching`): every layer's packed cache (`PackedCache`) lives in the manager's paged cache
         (`PagedCache`), and both head types attend over its packed batches with the mask it builds per layer type.
-        Configurations it cannot serve are refused here, by name (`check_continuous_batching`)."""
-        if (getattr(self, "_tp_size", None) or 1) > 1:
-            raise ValueError("Continuous batching cannot serve a tensor-parallel DAT model (tp_size="
-                             f"{self._tp_size}): the paged cache would split DAT's packed cache layer by key/value "
-                             "heads. Call `generate` instead.")
-        check_continuous_batching(self.config)
+        Configurations it cannot serve are refused here, by name (`continuous_batching_limits`)."""
+        limits = self.continuous_batching_limits()
+        if limits:
+            raise ValueError("Continuous batching cannot serve this DAT model: " + "; ".join(limits) + ". Batch the "
+                             "prompts with padding and call `generate` instead.")
         return super().init_continuous_batching(*args, **kwargs)
+
+    def continuous_batching_limits(self) -> list[str]:
+        """Why continuous batching cannot serve this model, one line per reason (`cache_dat.continuous_batching_limits`,
+        the one list); empty when it can."""
+        return continuous_batching_limits(self.config, getattr(self, "_tp_size", None) or 1)
 
     @takes_cache
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache=None, position_ids=None,
@@ -663,18 +629,18 @@ class DATForCausalLM(DATPreTrainedModel, DATGenerationMixin):
 
 
 @auto_docstring(
-    custom_intro="Classifies a sequence from its last non-padding token. input_ids `[b, n]` -> logits `[b, labels]`."
+    custom_intro="Classifies a sequence from its last token that is not `pad_token_id` (Transformers' "
+    "`GenericForSequenceClassification`). input_ids `[b, n]` -> logits `[b, num_labels]`."
 )
-class DATForSequenceClassification(DATPreTrainedModel):
+class DATForSequenceClassification(GenericForSequenceClassification, DATPreTrainedModel):
 
     def __init__(self, config: DATConfig):
-        super().__init__(config)
+        DATPreTrainedModel.__init__(self, config)  # (the generic head would build its base model by `AutoModel`)
         self.num_labels = config.num_labels
         self.model = DATModel(config)
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
 
-    @can_return_tuple
     @auto_docstring
     @takes_cache
     def forward(
@@ -692,39 +658,10 @@ class DATForSequenceClassification(DATPreTrainedModel):
         labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
             Class indices in `[0, num_labels)`, or regression targets (`num_labels == 1`) or multi-hot targets, as
             `config.problem_type` says.
-
-        Returns:
-            [`~modeling_outputs.SequenceClassifierOutputWithPast`] (a tuple with `return_dict=False`): `logits`
-            `(batch_size, num_labels)`, `loss` with `labels`, the cache, and on request the hidden states and the
-            attention weights of every head.
         """
         check_inputs("classification_labels", self.config, labels, input_ids, inputs_embeds)
-        outputs = self.model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-        )
-        logits = self.score(outputs.last_hidden_state)
-        batch_size = logits.shape[0]
-        if attention_mask is not None and attention_mask.dim() == 2:
-            # the rightmost real token (left or right padding)
-            positions = torch.arange(attention_mask.shape[-1], device=logits.device)
-            last = (positions * attention_mask.to(logits.device).long()).argmax(-1) - (attention_mask.shape[-1] - logits.shape[1])
-        elif self.config.pad_token_id is not None and input_ids is not None:
-            positions = torch.arange(input_ids.shape[-1], device=logits.device)
-            last = (positions * (input_ids != self.config.pad_token_id).long()).argmax(-1)
-        else:
-            if batch_size != 1 and self.config.pad_token_id is None and attention_mask is None:
-                raise ValueError("Batches of several sequences need `attention_mask` or `pad_token_id` to find the "
-                                 "last token of each.")
-            last = torch.full((batch_size,), logits.shape[1] - 1, device=logits.device)
-        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last]
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled_logits, **cache_kwargs(output_cache(outputs)),
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-        )
+        return super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache,
+                               **kwargs)
 
 
 __all__ = [

@@ -37,7 +37,8 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from .attention_plan import AttentionPlan, gradients_flow
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .dual_attention import (DualAttention, FusedProjections, PackedCache, RelationalAttention, SensoryAttention,
+from .cache_dat import PackedCache, self_attention_cache
+from .dual_attention import (DualAttention, FusedProjections, RelationalAttention, SensoryAttention,
                              dual_attention_outputs, project_fused)
 from .kernel_hooks import check_inputs
 from .masking_dat import build_cross_attention_mask, build_masks
@@ -55,7 +56,6 @@ from .modeling_dat import (
     prepare_decoder_inputs,
     run_dat_layers,
     run_text_stack,
-    self_attention_cache,
     stack_forward,
 )
 from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache

@@ -157,22 +157,6 @@ def layer_type(name: str) -> str | None:
     return None if bias is None else bias.layer_type or "full_attention"
 
 
-def paging_limit(name: str) -> str | None:
-    """Why continuous batching (packed requests, each bias's graph over their positions) cannot serve bias `name`;
-    None when it can."""
-    bias = relational_bias(name)
-    if bias.inputs:
-        return f"its graph comes with each input (`{bias.inputs[0]}`), which packed requests do not carry"
-    if not bias.decoder:
-        return "not a graph for decoders"
-    return None
-
-
-def paged_biases() -> list[str]:
-    """The biases continuous batching serves (`paging_limit`)."""
-    return [name for name in RELATIONAL_BIASES if not RELATIONAL_BIASES[name].cross and paging_limit(name) is None]
-
-
 def check_bias_field(config, field: str, value, num_layers: int, layers_field: str, decoder: bool,
                      inputs=()) -> None:
     """Validate a bias field (a name, or one per layer); ValueError naming the field. `decoder`: a causal stack;
@@ -273,6 +257,6 @@ register_relational_bias(RelationalBias(
 
 
 __all__ = ["CACHE_LAYER_TYPES", "CROSS_ATTENTION_BIAS", "RELATIONAL_BIASES", "RelationalBias", "check_bias_field",
-           "check_mask_function", "inputs_of", "is_ordered", "layer_type", "mask_function_of", "paged_biases",
-           "pair_mask", "paging_limit", "register_relational_bias", "relational_bias", "self_attention_biases",
+           "check_mask_function", "inputs_of", "is_ordered", "layer_type", "mask_function_of",
+           "pair_mask", "register_relational_bias", "relational_bias", "self_attention_biases",
            "unregister_relational_bias"]

@@ -12,17 +12,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
+from transformers.models.llama.modeling_llama import repeat_kv  # `[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA)
 
 from .kernel_hooks import replaceable
 from .masking_dat import causal_order
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """`[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA)."""
-    if n_rep == 1:
-        return hidden_states
-    b, h, n, d = hidden_states.shape
-    return hidden_states[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
 
 
 def implicit_causal(query, key, attention_mask, is_causal):

@@ -21,7 +21,7 @@ clients it does not trust needs (docs/serving.md):
 - **Stop strings.** `stop` ends the text at its first occurrence, left out of the text (`finish_reason: "stop"`), the
   same with and without continuous batching, streamed or not.
 - **Continuous batching.** A DAT configuration that continuous batching cannot serve
-  (`DATConfig.continuous_batching_limits`) is served by `generate`, one request at a time, with a warning naming the
+  (the model's `continuous_batching_limits`) is served by `generate`, one request at a time, with a warning naming the
   fields. The batch samples every request as its first request asked: a request asking other sampling settings is
   refused by name.
 - **`/v1/models/{id}`** answers the model the server holds.
@@ -534,7 +534,7 @@ def _servable(use_continuous_batching):
     def wrapper(self, model, modality):
         if not use_continuous_batching(self, model, modality):
             return False
-        limits = getattr(model.config, "continuous_batching_limits", list)()
+        limits = getattr(model, "continuous_batching_limits", list)()
         if limits:
             logger.warning_once(f"Continuous batching cannot serve this DAT model ({'; '.join(limits)}): it is "
                                 "served by `generate`, one request at a time.")

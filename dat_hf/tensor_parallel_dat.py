@@ -4,7 +4,7 @@
 # License. See the LICENSE file at the root of the dat_hf repository.
 """Tensor parallelism of DAT layers (`from_pretrained(..., tp_plan="auto")`), as Transformers shards Llama's.
 
-The plan (`configuration_dat.dual_attention_tp_plan`), per layer, over `tp` ranks:
+The plan (`DualAttentionConfig.base_model_tp_plan`, declared as Llama's), per layer, over `tp` ranks:
 
     sensory heads      q, k, v colwise (whole heads per rank)          o rowwise (all-reduce)
     relational heads   q_attn, k_attn, W_s colwise; W_r `[h, d_h, R]`  o rowwise (all-reduce)
@@ -174,5 +174,34 @@ def localize_heads(module, name: str, tp_size: int, head_parameters: list[str]) 
     module.num_kv_heads //= tp_size
 
 
+def use_local_heads(model, tp_size: int) -> None:
+    """After TP sharding: each attention module (one with `head_parameters`) keeps its rank's heads. Raises ValueError
+    if a relation projection (`gathered_projections`) is sharded other than by `dat_gather` (every head reads every
+    relation)."""
+    plan = model.tp_plan or {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "head_parameters"):
+            continue
+        localize_heads(module, name, tp_size, list(module.head_parameters))
+        for part in getattr(module, "gathered_projections", ()):
+            linear = getattr(module, part, None)
+            style = plan.get(plan_rule(f"{name}.{part}"))
+            if linear is not None and local_rows(linear) != linear.out_features and style != GATHER_STYLE:
+                raise ValueError(f"The tensor-parallel plan shards {name}.{part} by {style!r}: every relational "
+                                 f"head reads every relation, so the relation projections are replicated or "
+                                 f"sharded with their outputs gathered ({GATHER_STYLE!r}).")
+    for module in model.modules():
+        if hasattr(module, "plan_projections"):
+            module.plan_projections()
+
+
+def applicable_rules(model, plan: dict) -> dict:
+    """`plan` without the rules that name no module or parameter of `model` (a config's layers may lack some: the
+    sensory heads' q and k when shared, `k_rel_proj` for symmetric relations, the gate of an ungated MLP)."""
+    names = {plan_rule(name) for name, _ in (*model.named_modules(), *model.named_parameters())}
+    return {rule: style for rule, style in plan.items() if rule in names}
+
+
 __all__ = ["GATHER_STYLE", "HEADS_STYLE", "column_sharded", "gather_last_dim", "local_columns", "local_rows",
-           "local_tensor", "localize_heads", "plan_rule", "sharded_projections", "tensor_parallel_slice"]
+           "local_tensor", "localize_heads", "plan_rule", "sharded_projections", "tensor_parallel_slice",
+           "applicable_rules", "use_local_heads"]

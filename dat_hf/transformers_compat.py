@@ -108,16 +108,20 @@ def paged_cache_limits() -> str | None:
     return None
 
 
-def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """`hidden_states` `[b, n, d]` at the positions whose logits are wanted: an `int`, the last ones (0: all); a 1D
-    tensor, those positions; a 2D int `[b, k]`, per-sample (`[b, k, d]`); a 2D bool `[b, n]`, flattened `[true, d]`."""
-    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
-        if logits_to_keep.dtype == torch.bool:
-            return hidden_states[logits_to_keep]
-        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
-    if isinstance(logits_to_keep, int):
-        logits_to_keep = slice(-logits_to_keep, None)
-    return hidden_states[:, logits_to_keep, :]
+try:  # (Transformers 5.18+)
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # pragma: no cover (Transformers 5.17)
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """`hidden_states` `[b, n, d]` at the positions whose logits are wanted: an `int`, the last ones (0: all); a
+        1D tensor, those positions; a 2D int `[b, k]`, per-sample; a 2D bool `[b, n]`, flattened `[true, d]`."""
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+            if logits_to_keep.dtype == torch.bool:
+                return hidden_states[logits_to_keep]
+            return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+        if isinstance(logits_to_keep, int):
+            logits_to_keep = slice(-logits_to_keep, None)
+        return hidden_states[:, logits_to_keep, :]
 
 
 __all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs",

@@ -34,6 +34,10 @@ class Heads(nn.Module):
         self.is_causal = True
         self.layer_idx = 0
 
+    def local_relation_proj(self):
+        """W_r as the plan reads it (`RelationalAttention.local_relation_proj`: this rank's heads)."""
+        return self.relation_proj
+
 
 def make_inputs(b=2, h=4, h_kv=4, q_len=10, kv_len=10, d=6, R=3, d_r=5, symbol_batch=None, seed=0,
                 dtype=torch.float64, relative_rows=None):

@@ -25,7 +25,7 @@ from relational_cases import RELATION_SCALING, SCALING, Heads, assert_close, cal
 import dat_hf.kernels.cpu as cpu_kernel
 from dat_hf.attention_plan import KernelMask, PlannedRelational, PlannedSensory, mask_in_format
 from dat_hf.kernels import cpu_build
-from dat_hf.masking_dat import AttentionMask, _with_row_validity, receiver_offset
+from dat_hf.masking_dat import AttentionMask, with_row_validity, receiver_offset
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, RelationalSpec
 from dat_hf.sensory_attention import eager_attention_forward, flex_attention_forward, sdpa_attention_forward
 
@@ -154,9 +154,9 @@ def sensory_inputs(name, q_len=Q_LEN, kv_len=KV_LEN):
 
 
 def with_graph(graph, flex):
-    """The graph as the producers hand it, with `is_causal=True` (a decoder's bias): `_with_row_validity`, which also
+    """The graph as the producers hand it, with `is_causal=True` (a decoder's bias): `with_row_validity`, which also
     builds its `BlockMask` for FlexAttention heads."""
-    return _with_row_validity(graph, is_causal=True, block_mask=graph if flex else None, receiver_blocks=False)
+    return with_row_validity(graph, is_causal=True, block_mask=graph if flex else None, receiver_blocks=False)
 
 
 # ---- (a) a given mask alone decides --------------------------------------------------------------------------------

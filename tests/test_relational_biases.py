@@ -646,7 +646,7 @@ def test_block_mask_fallback_takes_only_a_cpp_compile_error():
             warnings.simplefilter("always")
             for _ in range(2):
                 got, block = masking_dat._both_formats(builder(cpp), config)
-                assert got is dense and block is dense  # (converted by `_with_row_validity`, uncompiled)
+                assert got is dense and block is dense  # (converted by `with_row_validity`, uncompiled)
         assert len(_block_mask_warnings(caught)) == 1 and "CppCompileError" in _block_mask_warnings(caught)[0]
         assert compiles == [cpp]  # (the second call does not try again)
         masking_dat._UNCOMPILABLE_BLOCK_MASKS.clear()
@@ -659,7 +659,7 @@ def test_block_mask_fallback_takes_only_a_cpp_compile_error():
     finally:
         masking_dat._warn_block_mask_uncompiled.cache_clear()
         masking_dat._UNCOMPILABLE_BLOCK_MASKS.clear()
-    masks = masking_dat._with_row_validity(dense, is_causal=True, block_mask=dense)
+    masks = masking_dat.with_row_validity(dense, is_causal=True, block_mask=dense)
     assert create_mask(masks.block_mask.mask_mod, 2, 1, 3, 3, device="cpu").equal(dense.expand(2, 1, 3, 3))
 
 

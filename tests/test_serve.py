@@ -666,11 +666,12 @@ def test_the_seams_in_transformers_serve_are_where_serve_py_expects_them():
 
 
 def test_continuous_batching_falls_back_to_generate_where_it_cannot_serve_dat(caplog):
-    """A configuration continuous batching cannot serve is served by `generate` (as the server does for a model
-    without continuous batching), the server warning with the field; the server's own refusal stands."""
+    """A model continuous batching cannot serve (its `continuous_batching_limits`) is served by `generate` (as the
+    server does for a model without continuous batching), the server warning with the field; the server's own
+    refusal stands."""
     choose = _servable(lambda state, model, modality: True)
-    assert choose(None, SimpleNamespace(config=tiny_config()), None)
-    flex = tiny_config(relational_attn_implementation="flex_attention")
-    assert not choose(None, SimpleNamespace(config=flex), None)
+    assert choose(None, DATForCausalLM(tiny_config()), None)
+    flex = DATForCausalLM(tiny_config(relational_attn_implementation="flex_attention"))
+    assert not choose(None, flex, None)
     assert "`relational_attn_implementation`='flex_attention'" in caplog.text
-    assert not _servable(lambda state, model, modality: False)(None, SimpleNamespace(config=tiny_config()), None)
+    assert not _servable(lambda state, model, modality: False)(None, DATForCausalLM(tiny_config()), None)

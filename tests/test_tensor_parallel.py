@@ -58,17 +58,20 @@ def save_variant(name, path):
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "kv1"])
 def test_plan_names_every_layer_projection_and_nothing_else(name):
-    """The config's plan (`base_model_tp_plan`, plus the head's `_tp_plan`) shards every projection of every layer,
-    and each rule names a module or parameter of the model (Transformers warns about rules that match nothing)."""
+    """The config's plan (`base_model_tp_plan`, declared as Llama's, plus the head's `_tp_plan`) shards every
+    projection of every layer, and each rule the model keeps names a module or parameter of it (Transformers warns
+    about rules that match nothing): the rules for modules a variant lacks are dropped, the others kept."""
     model_class, config = VARIANTS[name]
     config = config()
     model = model_class(config)
     plan = model.tp_plan
     names = {plan_rule(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
+    assert set(plan) <= names, sorted(set(plan) - names)
     # (the rules of dat_hf's plan; Transformers 5.17 adds an `embed_tokens` rule to the plan of every tied config)
-    own = {f"{model.base_model_prefix}.{rule}" for rule in config.tensor_parallel_plan()}
-    own |= set(model_class._tp_plan or {})
-    assert own <= set(plan) and own <= names, sorted(own - names)
+    own = {f"{model.base_model_prefix}.{rule}" for rule in config.base_model_tp_plan} | set(model_class._tp_plan or {})
+    assert own & names <= set(plan), sorted(own & names - set(plan))
+    if name == "shared-symmetric-gelu":  # (no sensory q/k, no k_rel_proj, no MLP gate: their rules dropped)
+        assert {"model.layers.*.mlp.gate_proj", "model.layers.*.dual_attn.relational.k_rel_proj"} <= own - set(plan)
     projections = {plan_rule(n).removesuffix(".weight") for n, _ in model.named_parameters()
                    if ".layers." in n and (n.endswith("proj.weight") or n.endswith("relation_proj"))}
     assert projections and projections <= set(plan), sorted(projections - set(plan))
@@ -110,7 +113,7 @@ def test_two_processes_match_one(tmp_path):
     specs = [save_variant(name, tmp_path / name) + ("!" if name in refused_variants() else "")
              for name in VARIANTS if name != "kv1"]
     config = DATConfig(vocab_size=96, num_sensory_heads=2, num_relational_heads=2, **SMALL)
-    plan = {f"model.{rule}": style for rule, style in config.tensor_parallel_plan().items()}
+    plan = DATForCausalLM(config).tp_plan
     for replicated in (".dual_attn.", ".relational."):
         plan_file = tmp_path / f"replicated{replicated.replace('.', '-')}json"
         plan_file.write_text(json.dumps(user_plan(plan, replicated)))

@@ -21,7 +21,8 @@ from remote_code import run_without_dat_hf
 
 import dat_hf
 from dat_hf import DATForImageClassification, DATImageProcessor, DATVisionConfig, DATVisionModel
-from dat_hf.dual_attention import RelationalAttention, repeat_kv
+from dat_hf.dual_attention import RelationalAttention
+from dat_hf.sensory_attention import repeat_kv
 from dat_hf.attention_plan import AttentionPlan
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.modeling_dat_vision import grid_relative_position_index
@@ -310,7 +311,7 @@ def test_2d_relative_symbols_match_a_slow_loop(kv_heads):
         k_rel = module.k_rel_proj(x).view(b, n, module.num_relations, module.relation_dim)
         sv = module.project_symbols(table)
         mask = {"full": AttentionMask(None, None, False)}
-        symbols_at = module.symbols_at(relative_position_index=index)
+        symbols_at = module.symbols_at(index=index)
         fast, _, _ = module(q, k, sv, q_rel, k_rel, AttentionPlan.build(mask, config, x).relational["full"], symbols_at)
         slow = _slow_relational_attention(module, x, table, index)
         # output_attentions plans the reference (explicit weights and relation tensors)

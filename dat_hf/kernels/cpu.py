@@ -392,9 +392,10 @@ def cpu_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_p
     b, d = hidden_states.shape[0], hidden_states.shape[-1]
     attention, mlp = layer.dual_attn, layer._modules["mlp"]
     input_norm, post_norm = layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]
-    out = layer_step_op(hidden_states.reshape(b, d).contiguous(), input_norm._parameters["weight"], input_norm.eps,
+    out = layer_step_op(hidden_states.reshape(b, d).contiguous(), input_norm._parameters["weight"],
+                        input_norm.variance_epsilon,
                         *_step_arguments(attention, symbols, position_embeddings, cache),
-                        post_norm._parameters["weight"], post_norm.eps,
+                        post_norm._parameters["weight"], post_norm.variance_epsilon,
                         *(mlp._modules[name]._parameters["weight"] for name in ("gate_proj", "up_proj", "down_proj")))
     _advance(attention, relational_plan, cache)
     return out.view(b, 1, d)
