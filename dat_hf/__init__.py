@@ -7,8 +7,10 @@ imported on first use.
 """
 
 import importlib
+import warnings
 
 import transformers
+from packaging.version import Version
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -35,9 +37,26 @@ from .kernels import load_cpu_kernel  # registers the compiled backends (never i
 from .kernel_hooks import INPUT_CHECKS
 from .input_validation import install as install_input_checks  # (never imported by the model files either)
 from .conversion import AuthorsCheckpointWarning, register_authors_format
-from .transformers_compat import TESTED_TRANSFORMERS, UntestedTransformersWarning, warn_if_untested_transformers
+from .transformers_compat import TESTED_TRANSFORMERS
 
 __version__ = "0.1.0"
+
+
+class UntestedTransformersWarning(UserWarning):
+    """The installed Transformers is newer than the newest release dat_hf was tested with."""
+
+
+def warn_if_untested_transformers(installed: str = transformers.__version__) -> bool:
+    """Warn if the installed Transformers is newer than `TESTED_TRANSFORMERS`; -> whether it warned."""
+    oldest, newest = TESTED_TRANSFORMERS
+    if Version(installed).release <= Version(newest).release:
+        return False
+    warnings.warn(
+        f"dat_hf was tested with transformers {oldest} to {newest}; {installed} is newer and untested. If generation, "
+        f"caching or training misbehaves, install a tested release: pip install 'transformers>={oldest},<={newest}'.",
+        UntestedTransformersWarning, stacklevel=3)
+    return True
+
 
 warn_if_untested_transformers()  # (a release newer than the newest tested one: once, naming the tested range)
 

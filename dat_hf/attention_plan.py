@@ -20,7 +20,7 @@ from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBac
                                    select_relational_attention)
 # (the import registers the `sdpa` and `flex_attention` relational backends)
 from .relational_attention_fused import fused_values_limits
-from .sensory_attention import DAT_ATTENTION_FUNCTIONS, eager_attention_forward, flex_attention_forward
+from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, eager_attention_forward, sensory_attention_function
 
 
 class KernelMask(NamedTuple):
@@ -117,7 +117,7 @@ class PlannedAttention:
 
 
 class PlannedSensory(PlannedAttention):
-    """Sensory heads: a function of `DAT_ATTENTION_FUNCTIONS`."""
+    """Sensory heads: a function of the `sensory` table (`kernel_hooks.BACKENDS`), or Transformers' own."""
 
     def __call__(self, module, query, key, value, dropout: float = 0.0, **kwargs):
         """query `[b, h, q, d_h]`, key, value `[b, h_kv, kv, d_h]` -> `[b, q, h, d_h]`."""
@@ -215,7 +215,7 @@ def sensory_function(config, output_attentions: bool) -> tuple:
     implementation = implementation.removeprefix("paged|") if isinstance(implementation, str) else implementation
     if output_attentions:
         return implementation, eager_attention_forward
-    return implementation, DAT_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    return implementation, sensory_attention_function(implementation)
 
 
 class AttentionPlan(NamedTuple):
@@ -263,9 +263,8 @@ class AttentionPlan(NamedTuple):
         relational_biases = masks if relational_biases is None else relational_biases
         dropout = config.attention_dropout if training else 0.0
         implementation, function = sensory_function(config, output_attentions)
-        sensory_format = ("dense" if function is eager_attention_forward
-                          else "block_mask" if function is flex_attention_forward else "tensor")
         name = "eager" if function is eager_attention_forward else implementation
+        sensory_format = SENSORY_ATTENTION_FUNCTIONS[name].mask_format if name in SENSORY_ATTENTION_FUNCTIONS else "tensor"
         sensory = {bias: PlannedSensory(masks[bias], name, function, sensory_format, not output_attentions)
                    for bias in dict.fromkeys(sensory_biases)}
         if relative_symbols is None:

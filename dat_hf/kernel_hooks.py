@@ -2,41 +2,91 @@
 #
 # Licensed under the MIT License (the "License"); you may not use this file except in compliance with the
 # License. See the LICENSE file at the root of the dat_hf repository.
-"""Where `import dat_hf` plugs into the model files (remote code without `dat_hf` runs the references, unchecked).
+"""The one registry of what computes DAT (`BACKENDS`), and where `import dat_hf` plugs into the model files (remote
+code without `dat_hf` runs the references, unchecked).
 
-`@replaceable("name")` marks a reference function; `register_kernel("name", function, accepts)` adds an
-implementation used when `accepts(*args)` (never while `torch.export` traces). `check_inputs("name", ...)` runs
-`INPUT_CHECKS["name"]` if installed.
+    BACKENDS.of("relational").register("mine", function, supports, preferred_on=("cuda",), mask_format="tensor")
+    BACKENDS.of("sensory").register("sdpa", function)           # by `attn_implementation`
+    register_kernel("rotary", function, accepts)                # a compiled kernel of `@replaceable("rotary")`
+
+Each kind (a head type, or a `@replaceable` function's name) has one table of named entries (`Backend`); a head type's
+backends are chosen per forward by the attention plan, a replaceable function's kernels are tried in registration
+order (never while `torch.export` traces). `check_inputs("name", ...)` runs `INPUT_CHECKS["name"]` if installed.
 """
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-_KERNELS: dict[str, list[tuple[Callable, Callable[..., bool]]]] = {}
+
+class Backend(NamedTuple):
+    """One registered implementation. `supports`: for a head type, `supports(call)` -> None or why it cannot run the
+    call (None: any call); for a replaceable function, `supports(*args, **kwargs)` -> whether it takes the call.
+    `preferred_on`: the devices where automatic selection puts it first; `mask_format`: the mask it takes
+    (`attention_plan.MASK_FORMATS`)."""
+
+    function: Callable
+    supports: Callable | None = None
+    preferred_on: tuple[str, ...] = ()
+    mask_format: str = "tensor"
+
+
+class BackendTable(dict):
+    """One kind's entries, name -> `Backend`. `unavailable`: (name, device type) -> the error that took a backend out
+    of automatic selection (clear it to retry)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.unavailable = kind, {}
+
+    def register(self, name: str, function: Callable, supports: Callable | None = None, preferred_on=(),
+                 mask_format: str = "tensor") -> None:
+        self[name] = Backend(function, supports, tuple(preferred_on), mask_format)
+
+    def backend(self, name: str) -> Backend:
+        if name not in self:
+            raise ValueError(f"Unknown {self.kind} attention backend {name!r}; registered: {sorted(self)} (compiled "
+                             "backends are registered by `import dat_hf`).")
+        return self[name]
+
+
+class Backends:
+    """Every kind's table: the head types `sensory` and `relational`, and each `@replaceable` function's name."""
+
+    def __init__(self):
+        self.kinds: dict[str, BackendTable] = {}
+
+    def of(self, kind: str) -> BackendTable:
+        return self.kinds.setdefault(kind, BackendTable(kind))
+
+
+BACKENDS = Backends()
+HEAD_TYPES = ("sensory", "relational")
 
 
 def register_kernel(name: str, function: Callable, accepts: Callable[..., bool]) -> None:
-    """Add (or replace) `function` as an implementation of `name`, used when `accepts(*args, **kwargs)`."""
-    kernels = [entry for entry in _KERNELS.get(name, []) if entry[0] is not function]
-    _KERNELS[name] = kernels + [(function, accepts)]
+    """Add (or replace) `function` as a kernel of the replaceable function `name`, used when `accepts(*args,
+    **kwargs)`."""
+    BACKENDS.of(name).register(f"{function.__module__}.{function.__qualname__}", function, accepts)
 
 
 def registered_kernels(name: str) -> list[Callable]:
-    """The implementations registered for `name`, in trial order."""
-    return [function for function, _ in _KERNELS.get(name, [])]
+    """The kernels registered for `name`, in trial order."""
+    return [backend.function for backend in BACKENDS.of(name).values()]
 
 
 def replaceable(name: str):
     """Decorator: the function is the reference implementation of `name`; registered kernels may replace it."""
+    kernels = BACKENDS.of(name)
 
     def decorator(reference: Callable) -> Callable:
         @functools.wraps(reference)
         def dispatch(*args, **kwargs):
             if torch.compiler.is_exporting():
                 return reference(*args, **kwargs)
-            for function, accepts in _KERNELS.get(name, ()):
+            for function, accepts, _, _ in kernels.values():
                 if accepts(*args, **kwargs):
                     return function(*args, **kwargs)
             return reference(*args, **kwargs)
@@ -57,4 +107,5 @@ def check_inputs(name: str, *args, **kwargs) -> None:
         check(*args, **kwargs)
 
 
-__all__ = ["INPUT_CHECKS", "check_inputs", "register_kernel", "registered_kernels", "replaceable"]
+__all__ = ["BACKENDS", "HEAD_TYPES", "INPUT_CHECKS", "Backend", "BackendTable", "check_inputs", "register_kernel",
+           "registered_kernels", "replaceable"]

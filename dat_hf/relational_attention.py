@@ -10,8 +10,9 @@ For receiver i and relational head h (Altabaa & Lafferty, 2024):
     a^h   = softmax(scaling (x W_q^h)(x W_k^h)^T + mask)                           weights    [b, h, q, kv]
     r(x_i, x_j)_l = act(relation_scaling <x_i W_{q,l}^rel, x_j W_{k,l}^rel>)       relations  [b, R, q, kv]
 
-Every backend has the signature of `eager_relational_attention`, takes its mask in its declared format under the
-mask rule (`masking_dat.AttentionMask`), and returns (messages, weights or None, relations or None).
+Every backend (an entry of the one registry's `relational` table, `kernel_hooks.BACKENDS`) has the signature of
+`eager_relational_attention`, takes its mask in its declared format under the mask rule (`masking_dat.AttentionMask`),
+and returns (messages, weights or None, relations or None).
 """
 
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .kernel_hooks import BACKENDS
 from .masking_dat import AttentionMask, receiver_positions
 from .sensory_attention import repeat_kv
 
@@ -166,40 +168,12 @@ class RelationalCall(NamedTuple):
                    relative_symbols, dropout, mask, autocast, torch.compiler.is_compiling())
 
 
-class RelationalBackend(NamedTuple):
-    """A registered backend: its function, `supports(call)` (None, or why not), the devices where automatic
-    selection prefers it, and its mask format (`attention_plan.MASK_FORMATS`)."""
-
-    function: Callable
-    supports: Callable[[RelationalCall], str | None]
-    preferred_on: tuple[str, ...] = ()
-    mask_format: str = "tensor"
-
-
 class RelationalBackendUnavailable(RuntimeError):
     """A backend's kernel failed to compile or launch: the plan falls back to the next one unless requested."""
 
 
-class RelationalAttentionInterface(dict):
-    """Named relational backends, like `ALL_ATTENTION_FUNCTIONS`. `unavailable`: (backend, device type) -> the
-    error that took it out of automatic selection (clear it to retry)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.unavailable: dict[tuple[str, str], str] = {}
-
-    def register(self, name: str, function: Callable, supports: Callable[[RelationalCall], str | None],
-                 preferred_on: tuple[str, ...] = (), mask_format: str = "tensor") -> None:
-        self[name] = RelationalBackend(function, supports, tuple(preferred_on), mask_format)
-
-    def backend(self, name: str) -> RelationalBackend:
-        if name not in self:
-            raise ValueError(f"Unknown relational attention backend {name!r}; registered: {sorted(self)} (compiled "
-                             "backends are registered by `import dat_hf`).")
-        return self[name]
-
-
-RELATIONAL_ATTENTION_FUNCTIONS = RelationalAttentionInterface()
+# the relational heads' backends: the one registry's `relational` table (`kernel_hooks.BACKENDS`)
+RELATIONAL_ATTENTION_FUNCTIONS = BACKENDS.of("relational")
 RELATIONAL_ATTENTION_FUNCTIONS.register("eager", eager_relational_attention, lambda call: None,
                                         mask_format="reference")
 
@@ -231,7 +205,6 @@ def select_relational_attention(call: RelationalCall, requested: str | None, att
                 and RELATIONAL_ATTENTION_FUNCTIONS[name].supports(call) is None)
 
 
-__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalAttentionInterface", "RelationalBackend",
-           "RelationalBackendUnavailable", "RelationalCall", "RelationalSpec", "RelativeSymbols",
+__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalBackendUnavailable", "RelationalCall", "RelationalSpec", "RelativeSymbols",
            "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_output",
            "relational_weights", "repeat_kv", "select_relational_attention"]

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa_attention_forward
-from transformers.modeling_utils import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv  # `[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA)
 
-from .kernel_hooks import replaceable
+from .kernel_hooks import BACKENDS, replaceable
 from .masking_dat import causal_order
 
 
@@ -123,11 +123,21 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=No
                                                scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-# Transformers' attention functions with DAT's FlexAttention and SDPA calls in place of theirs
-DAT_ATTENTION_FUNCTIONS = AttentionInterface()
-DAT_ATTENTION_FUNCTIONS["flex_attention"] = flex_attention_forward
-DAT_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+def sensory_attention_function(implementation: str):
+    """The sensory heads' function for `attn_implementation`: the one registry's `sensory` entry (DAT's FlexAttention
+    and SDPA calls in place of Transformers'), else Transformers' own (`ALL_ATTENTION_FUNCTIONS`), else eager."""
+    entry = SENSORY_ATTENTION_FUNCTIONS.get(implementation)
+    if entry is not None:
+        return entry.function
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
 
-__all__ = ["DAT_ATTENTION_FUNCTIONS", "cpu_flex_query_key", "eager_attention_forward", "eager_attention_weights",
+# the sensory heads' backends: the one registry's `sensory` table (`kernel_hooks.BACKENDS`)
+SENSORY_ATTENTION_FUNCTIONS = BACKENDS.of("sensory")
+SENSORY_ATTENTION_FUNCTIONS.register("eager", eager_attention_forward, mask_format="dense")
+SENSORY_ATTENTION_FUNCTIONS.register("flex_attention", flex_attention_forward, mask_format="block_mask")
+SENSORY_ATTENTION_FUNCTIONS.register("sdpa", sdpa_attention_forward)
+
+
+__all__ = ["SENSORY_ATTENTION_FUNCTIONS", "sensory_attention_function", "cpu_flex_query_key", "eager_attention_forward", "eager_attention_weights",
            "flex_attention_forward", "flex_inputs", "implicit_causal", "repeat_kv", "sdpa_attention_forward"]

@@ -19,7 +19,6 @@ import warnings
 
 import torch
 import transformers
-from packaging.version import Version
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 # the oldest and newest releases tested (constraints/floor.txt, constraints/tested.txt)
@@ -75,22 +74,6 @@ def output_cache(outputs):
     return getattr(outputs, CACHE_NAME, None)
 
 
-class UntestedTransformersWarning(UserWarning):
-    """The installed Transformers is newer than the newest release dat_hf was tested with."""
-
-
-def warn_if_untested_transformers(installed: str = transformers.__version__) -> bool:
-    """Warn if the installed Transformers is newer than `TESTED_TRANSFORMERS`; -> whether it warned."""
-    oldest, newest = TESTED_TRANSFORMERS
-    if Version(installed).release <= Version(newest).release:
-        return False
-    warnings.warn(
-        f"dat_hf was tested with transformers {oldest} to {newest}; {installed} is newer and untested. If generation, "
-        f"caching or training misbehaves, install a tested release: pip install 'transformers>={oldest},<={newest}'.",
-        UntestedTransformersWarning, stacklevel=3)
-    return True
-
-
 # what `PagedCache` uses of 5.24's `PagedAttentionCache`: this `update` signature and `layer_to_allocator`
 PAGED_CACHE_UPDATE = ["self", "key_states", "value_states", "layer_idx", "kwargs"]
 
@@ -124,5 +107,5 @@ except ImportError:  # pragma: no cover (Transformers 5.17)
         return hidden_states[:, logits_to_keep, :]
 
 
-__all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "UntestedTransformersWarning", "cache_kwargs",
-           "output_cache", "paged_cache_limits", "slice_logits_to_keep", "takes_cache", "warn_if_untested_transformers"]
+__all__ = ["CACHE_NAME", "CACHE_NAMES", "TESTED_TRANSFORMERS", "cache_kwargs",
+           "output_cache", "paged_cache_limits", "slice_logits_to_keep", "takes_cache"]

@@ -66,12 +66,12 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
 
     model = DATForCausalLM(tiny(attn_implementation="sdpa")).eval()
     builds, build = [], attention_plan.AttentionPlan.build.__func__
-    kernels = {name: entries for name, entries in kernel_hooks._KERNELS.items()
-               if name not in ("layer_step", "dual_attention_step")}
 
     def watch_builds():
         # (the decoding-step ops, which take the steps without the backends' functions, set aside)
-        monkeypatch.setattr(kernel_hooks, "_KERNELS", kernels)
+        for kind in ("layer_step", "dual_attention_step"):
+            for name in list(kernel_hooks.BACKENDS.of(kind)):
+                monkeypatch.delitem(kernel_hooks.BACKENDS.of(kind), name)
         monkeypatch.setattr(attention_plan.AttentionPlan, "build",
                             classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
 

@@ -495,7 +495,7 @@ def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
     got = torch.autograd.grad(loss, list(model.parameters()))
     assert calls == [False] * config.num_hidden_layers + [True] * config.num_hidden_layers
     monkeypatch.setattr(kernel, "accepts_rotary", lambda *args: False)
-    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
+    set_kernels_aside(monkeypatch)  # the reference only
     expected_loss = model(ids, labels=ids).loss
     expected = torch.autograd.grad(expected_loss, list(model.parameters()))
     assert len(calls) == 2 * config.num_hidden_layers
@@ -536,7 +536,7 @@ def step_matches_the_reference(model, ids, calls, monkeypatch):
         assert calls == []
         step = model(ids[:, -1:], cache=output_cache(out)).logits
     assert calls == [(ids.shape[0], model.config.hidden_size)] * model.config.num_hidden_layers
-    monkeypatch.setattr("dat_hf.kernel_hooks._KERNELS", {})  # the reference only
+    set_kernels_aside(monkeypatch)  # the reference only
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits[:, -1:]
     torch.testing.assert_close(step, expected, rtol=1e-5, atol=1e-5)
@@ -668,11 +668,19 @@ STEP_KERNELS = ("layer_step", "dual_attention_step")
 STEP_OPS = {"layer_step": "layer_step_op", "dual_attention_step": "decoding_step_op"}
 
 
+def set_kernels_aside(monkeypatch, names=None):
+    """No kernel for the replaceable functions `names` (default: every one) in this test: their tables of the one
+    registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
+    for kind, table in kernel_hooks.BACKENDS.kinds.items():
+        if kind not in kernel_hooks.HEAD_TYPES and (names is None or kind in names):
+            for name in list(table):
+                monkeypatch.delitem(table, name)
+
+
 def without_step(monkeypatch, names=STEP_KERNELS):
     """The registered kernels without the decoding-step ops `names` (the layers then compute those steps part by
     part)."""
-    monkeypatch.setattr(kernel_hooks, "_KERNELS", {name: entries for name, entries in kernel_hooks._KERNELS.items()
-                                                   if name not in names})
+    set_kernels_aside(monkeypatch, names)
 
 
 def greedy_with_and_without(model, ids, steps=8, aside=(), **kwargs):

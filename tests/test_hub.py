@@ -22,6 +22,8 @@ from transformers import (
 import dat_hf
 from conftest import tiny_config
 from remote_code import run_without_dat_hf
+
+from dat_hf.transformers_compat import paged_cache_limits
 from dat_hf import (DATConfig, DATEncoderConfig, DATForCausalLM, DATForImageClassification, DATForSeq2SeqLM,
                     DATForSequenceClassification, DATForTokenClassification, DATModel, DATSeq2SeqConfig,
                     DATVisionConfig)
@@ -311,6 +313,18 @@ with torch.no_grad():
     results["resaved_logits"] = AutoModelForCausalLM.from_pretrained(work / f"resaved-{TAG}", trust_remote_code=True)(
         inputs["input_ids"]).logits
 
+    # continuous batching from the folder's code (its `cache_dat`): each request as `generate` alone, or refused by
+    # name where the installed release's paged cache is not the one DAT's layers use (the floor)
+    report["batching_limits"] = model.continuous_batching_limits()
+    if not report["batching_limits"]:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        prompts = [row.tolist() for row in inputs["input_ids"]]
+        batched = model.generate_batch(
+            prompts, generation_config=GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None),
+            continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=16, max_batch_tokens=16))
+        results["batched"] = torch.tensor([batched[key].generated_tokens for key in sorted(batched)])
+
     generator = pipeline("text-generation", model=str(work / f"lm-{TAG}"), trust_remote_code=True, device="cpu")
     report["pipeline_model_class"] = type(generator.model).__module__ + "." + type(generator.model).__name__
     report["pipeline_text"] = generator(PROMPT, max_new_tokens=6, do_sample=False)[0]["generated_text"]
@@ -383,6 +397,17 @@ def test_remote_code_same_outputs(remote_run):
     torch.testing.assert_close(results["hidden"], expected["hidden"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results["tags"], expected["tags"], atol=1e-5, rtol=1e-5)
     assert torch.equal(results["generated"], expected["generated"])
+
+
+def test_remote_code_batches_continuously(remote_run):
+    """Continuous batching runs from a folder's code alone (`cache_dat` is remote code): the same tokens as
+    `generate`, request by request; on a release whose paged cache differs, the refusal names it."""
+    limits = remote_run["report"]["batching_limits"]
+    if limits:
+        assert limits == [paged_cache_limits()] and paged_cache_limits() is not None
+        return
+    generated = remote_run["expected"]["generated"]
+    assert torch.equal(remote_run["results"]["batched"], generated[:, -5:])
 
 
 def test_remote_code_pipeline(remote_run, lm_folder):

@@ -15,13 +15,8 @@ import torch
 from conftest import tiny_config
 from packaging.requirements import Requirement
 
-from dat_hf import DATForCausalLM
-from dat_hf.transformers_compat import (
-    TESTED_TRANSFORMERS,
-    UntestedTransformersWarning,
-    output_cache,
-    warn_if_untested_transformers,
-)
+from dat_hf import DATForCausalLM, UntestedTransformersWarning, warn_if_untested_transformers
+from dat_hf.transformers_compat import TESTED_TRANSFORMERS, output_cache
 
 REPO = Path(__file__).resolve().parents[1]
 
