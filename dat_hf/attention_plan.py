@@ -20,7 +20,7 @@ from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBac
                                    select_relational_attention)
 # (the import registers the `sdpa` and `flex_attention` relational backends)
 from .relational_attention_fused import fused_values_limits
-from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, eager_attention_forward, sensory_attention_function
+from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, sensory_attention_backend
 
 
 class KernelMask(NamedTuple):
@@ -209,13 +209,14 @@ class PlannedRelational(PlannedAttention):
 
 
 def sensory_function(config, output_attentions: bool) -> tuple:
-    """(implementation name, the sensory heads' attention function): eager for weights, else the config's."""
+    """(implementation name, the sensory heads' `Backend`: function and mask format): eager for weights, else the
+    config's (`sensory_attention_backend`)."""
     # continuous batching sets "paged|eager": DAT's heads read the paged cache themselves
     implementation = config._attn_implementation
     implementation = implementation.removeprefix("paged|") if isinstance(implementation, str) else implementation
     if output_attentions:
-        return implementation, eager_attention_forward
-    return implementation, sensory_attention_function(implementation)
+        return implementation, SENSORY_ATTENTION_FUNCTIONS["eager"]
+    return implementation, sensory_attention_backend(implementation)
 
 
 class AttentionPlan(NamedTuple):
@@ -262,10 +263,9 @@ class AttentionPlan(NamedTuple):
         sensory_biases = masks if sensory_biases is None else sensory_biases
         relational_biases = masks if relational_biases is None else relational_biases
         dropout = config.attention_dropout if training else 0.0
-        implementation, function = sensory_function(config, output_attentions)
-        name = "eager" if function is eager_attention_forward else implementation
-        sensory_format = SENSORY_ATTENTION_FUNCTIONS[name].mask_format if name in SENSORY_ATTENTION_FUNCTIONS else "tensor"
-        sensory = {bias: PlannedSensory(masks[bias], name, function, sensory_format, not output_attentions)
+        implementation, backend = sensory_function(config, output_attentions)
+        name = "eager" if backend is SENSORY_ATTENTION_FUNCTIONS["eager"] else implementation
+        sensory = {bias: PlannedSensory(masks[bias], name, backend.function, backend.mask_format, not output_attentions)
                    for bias in dict.fromkeys(sensory_biases)}
         if relative_symbols is None:
             relative_symbols = config.symbol_retrieval == "position_relative"

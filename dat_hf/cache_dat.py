@@ -74,7 +74,6 @@ def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int
     return packed.unpack(*cache.update(*packed.pack([keys], values), layer_idx))
 
 
-
 # ---- the layers of Transformers' caches -------------------------------------------------------------------------
 class InPlaceCacheLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room (`capacity`, doubled when
@@ -502,11 +501,12 @@ def continuous_batching_limits(config, tp_size: int = 1) -> list[str]:
     if config.is_encoder_decoder:
         limits = [f"{type(config).__name__} is an encoder-decoder (continuous batching serves decoder-only models)"]
     else:
-        limits = [f"`{name}`={bias!r}: {reason} (continuous batching serves {paged_biases()})"
-                  for name in ("relational_bias", "relational_heads_bias")
-                  for bias in dict.fromkeys(getattr(config, name) if isinstance(getattr(config, name), list)
-                                            else [getattr(config, name)])
-                  if bias is not None and (reason := paging_limit(bias)) is not None]
+        limits = []
+        for name in ("relational_bias", "relational_heads_bias"):
+            value = getattr(config, name)
+            for bias in dict.fromkeys(value if isinstance(value, list) else [value]):
+                if bias is not None and (reason := paging_limit(bias)) is not None:
+                    limits.append(f"`{name}`={bias!r}: {reason} (continuous batching serves {paged_biases()})")
         # CODEPATH: a refusal, no checkpoint: no released config sets `relational_attn_implementation`.
         if config.relational_attn_implementation == "flex_attention":
             limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "

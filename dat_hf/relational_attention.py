@@ -205,6 +205,6 @@ def select_relational_attention(call: RelationalCall, requested: str | None, att
                 and RELATIONAL_ATTENTION_FUNCTIONS[name].supports(call) is None)
 
 
-__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalBackendUnavailable", "RelationalCall", "RelationalSpec", "RelativeSymbols",
-           "eager_relational_attention", "per_head_symbols", "relational_messages", "relational_output",
-           "relational_weights", "repeat_kv", "select_relational_attention"]
+__all__ = ["RELATIONAL_ATTENTION_FUNCTIONS", "RelationalBackendUnavailable", "RelationalCall", "RelationalSpec",
+           "RelativeSymbols", "eager_relational_attention", "per_head_symbols", "relational_messages",
+           "relational_output", "relational_weights", "repeat_kv", "select_relational_attention"]

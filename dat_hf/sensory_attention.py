@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward as t
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv  # `[b, h_kv, n, d]` -> `[b, h_kv * n_rep, n, d]` (GQA)
 
-from .kernel_hooks import BACKENDS, replaceable
+from .kernel_hooks import BACKENDS, Backend, replaceable
 from .masking_dat import causal_order
 
 
@@ -123,13 +123,15 @@ def sdpa_attention_forward(module, query, key, value, attention_mask, scaling=No
                                                scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-def sensory_attention_function(implementation: str):
-    """The sensory heads' function for `attn_implementation`: the one registry's `sensory` entry (DAT's FlexAttention
-    and SDPA calls in place of Transformers'), else Transformers' own (`ALL_ATTENTION_FUNCTIONS`), else eager."""
+def sensory_attention_backend(implementation: str) -> Backend:
+    """The sensory heads' entry for `attn_implementation`: the one registry's `sensory` entry (DAT's FlexAttention
+    and SDPA calls in place of Transformers'), else Transformers' own function (`ALL_ATTENTION_FUNCTIONS`, a tensor
+    mask), else eager."""
     entry = SENSORY_ATTENTION_FUNCTIONS.get(implementation)
     if entry is not None:
-        return entry.function
-    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        return entry
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    return SENSORY_ATTENTION_FUNCTIONS["eager"] if function is eager_attention_forward else Backend(function)
 
 
 # the sensory heads' backends: the one registry's `sensory` table (`kernel_hooks.BACKENDS`)
@@ -139,5 +141,6 @@ SENSORY_ATTENTION_FUNCTIONS.register("flex_attention", flex_attention_forward, m
 SENSORY_ATTENTION_FUNCTIONS.register("sdpa", sdpa_attention_forward)
 
 
-__all__ = ["SENSORY_ATTENTION_FUNCTIONS", "sensory_attention_function", "cpu_flex_query_key", "eager_attention_forward", "eager_attention_weights",
+__all__ = ["SENSORY_ATTENTION_FUNCTIONS", "sensory_attention_backend", "cpu_flex_query_key", "eager_attention_forward",
+           "eager_attention_weights",
            "flex_attention_forward", "flex_inputs", "implicit_causal", "repeat_kv", "sdpa_attention_forward"]

@@ -37,6 +37,17 @@ import dat_hf  # noqa: E402,F401  (registers the Auto classes)
 from dat_hf import DATConfig  # noqa: E402
 
 
+def set_kernels_aside(monkeypatch, names=None):
+    """No compiled kernel for the replaceable functions `names` (default: every one) in this test: their tables of the
+    one registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
+    from dat_hf import kernel_hooks
+
+    for kind, table in kernel_hooks.BACKENDS.kinds.items():
+        if kind not in kernel_hooks.HEAD_TYPES and (names is None or kind in names):
+            for name in list(table):
+                monkeypatch.delitem(table, name)
+
+
 def tiny_config(**overrides) -> DATConfig:
     """A tiny DAT language model config (d=32, 2 layers, 2+2 heads) for fast tests."""
     kwargs = dict(

@@ -4,6 +4,7 @@ format a backend may declare gives the same messages as the reference."""
 
 import pytest
 import torch
+from conftest import set_kernels_aside
 from relational_cases import Heads, assert_close, call_backend, make_inputs, random_bool_mask
 
 import dat_hf.attention_plan as attention_plan
@@ -61,7 +62,6 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
     """Decoding steps over implicit masks (causal order, no padding) plan once: the last step's plan serves the next,
     with the logits of planning every step. A step with padding, another requested backend, or a changed registry
     entry plans anew (and runs the new entry)."""
-    from dat_hf import kernel_hooks
     from dat_hf.transformers_compat import output_cache
 
     model = DATForCausalLM(tiny(attn_implementation="sdpa")).eval()
@@ -69,9 +69,7 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
 
     def watch_builds():
         # (the decoding-step ops, which take the steps without the backends' functions, set aside)
-        for kind in ("layer_step", "dual_attention_step"):
-            for name in list(kernel_hooks.BACKENDS.of(kind)):
-                monkeypatch.delitem(kernel_hooks.BACKENDS.of(kind), name)
+        set_kernels_aside(monkeypatch, ("layer_step", "dual_attention_step"))
         monkeypatch.setattr(attention_plan.AttentionPlan, "build",
                             classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
 

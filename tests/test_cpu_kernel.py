@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import set_kernels_aside, tiny_config
 from torch import nn
 from relational_cases import (Heads, assert_close, call_backend, causal_and, count_backend_calls, make_inputs,
                               random_bool_mask, reference_parts, right_padding)
@@ -29,7 +29,6 @@ import dat_hf.dual_attention as da
 import dat_hf.kernels.cpu as kernel
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
-from dat_hf import kernel_hooks
 from dat_hf.kernel_hooks import registered_kernels
 from dat_hf.masking_dat import AttentionMask
 from dat_hf.transformers_compat import output_cache
@@ -666,15 +665,6 @@ STEP_CASES = {
 }
 STEP_KERNELS = ("layer_step", "dual_attention_step")
 STEP_OPS = {"layer_step": "layer_step_op", "dual_attention_step": "decoding_step_op"}
-
-
-def set_kernels_aside(monkeypatch, names=None):
-    """No kernel for the replaceable functions `names` (default: every one) in this test: their tables of the one
-    registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
-    for kind, table in kernel_hooks.BACKENDS.kinds.items():
-        if kind not in kernel_hooks.HEAD_TYPES and (names is None or kind in names):
-            for name in list(table):
-                monkeypatch.delitem(table, name)
 
 
 def without_step(monkeypatch, names=STEP_KERNELS):
