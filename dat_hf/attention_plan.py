@@ -10,14 +10,13 @@
 """
 
 import copy
-import warnings
 from typing import NamedTuple
 
 import torch
 
-from .masking_dat import AttentionMask, SlidingWindow, cut
-from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
-                                   select_relational_attention)
+from .kernel_hooks import BACKENDS, replaceable
+from .masking_dat import AttentionMask
+from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, select_relational_attention
 # (the import registers the `sdpa` and `flex_attention` relational backends)
 from .relational_attention_fused import fused_values_limits
 from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, sensory_attention_backend
@@ -25,12 +24,13 @@ from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, sensory_attention_ba
 
 class KernelMask(NamedTuple):
     """The mask as kernels take it, under the mask rule (`masking_dat.AttentionMask`): `mask` None or
-    `[b|1, 1, q, kv]`; `is_causal` for a None mask; `window`: a `SlidingWindow` ("window" format; `mask` is then its
-    padding `[b, 1, 1, kv]` or None)."""
+    `[b|1, 1, q, kv]`; `is_causal` for a None mask; `window`: a sliding window over the whole sequence ("window"
+    format, from what `import dat_hf` installs: `kernels/receiver_blocks.py`; `mask` is then its padding
+    `[b, 1, 1, kv]` or None)."""
 
     mask: torch.Tensor | None
     is_causal: bool
-    window: SlidingWindow | None = None
+    window: object = None
 
 
 # "reference": the `AttentionMask`; "dense": a tensor or None; "tensor": a `KernelMask`; "window": a `KernelMask` that
@@ -49,23 +49,19 @@ def mask_in_format(mask: AttentionMask, mask_format: str, q_len: int | None = No
         if mask.block_mask is not None:
             return mask.block_mask
         return KernelMask(None, True) if mask.mask is None and mask.is_causal else mask.mask
-    if mask_format == "window" and mask.window is not None:
-        padding = mask.window.padding
-        return KernelMask(None if padding is None else padding[:, None, None, :], mask.is_causal, mask.window)
     if mask_format in ("tensor", "window"):
         return KernelMask(mask.mask, mask.is_causal)
     raise ValueError(f"Unknown mask format {mask_format!r}; one of {MASK_FORMATS}.")
 
 
 class PlannedAttention:
-    """One head type over one bias in this forward: `name`, `mask` (in its format), `blocks`
-    (`(q0, q1, kv0, kv1, mask)` or None), `row_valid` (None or bool `[b, 1, q, 1]`)."""
+    """One head type over one bias in this forward: `name`, `mask` (in its format), `row_valid` (None or bool
+    `[b, 1, q, 1]`). `import dat_hf` installs subclasses that attend block by block over masks with receiver blocks
+    (`PLAN_ENTRIES`)."""
 
-    def __init__(self, source: AttentionMask, name: str, function, mask_format: str, blocked: bool):
+    def __init__(self, source: AttentionMask, name: str, function, mask_format: str, output_attentions: bool = False):
         self.name, self.function, self.mask_format = name, function, mask_format
-        # no receiver blocks for a BlockMask (it skips blocks itself) nor a whole sliding window
-        self.blocked = blocked and (mask_format in ("dense", "tensor", "reference") or (
-            mask_format == "window" and source.window is None))
+        self.output_attentions = output_attentions
         self._place(source)
 
     def _place(self, source: AttentionMask):
@@ -74,15 +70,11 @@ class PlannedAttention:
         # implicit causal mask over more senders than receivers (a static cache's empty slots): keep q senders
         self.trims = not source.masked and source.is_causal and not (self.mask_format == "block_mask"
                                                                       and source.block_mask is not None)
-        self.blocks = None
-        if self.blocked and source.receiver_blocks is not None:
-            fmt = "tensor" if self.mask_format == "window" else self.mask_format
-            self.blocks = tuple((q0, q1, kv0, kv1, mask_in_format(source.block(q0, q1, kv0, kv1), fmt, q1 - q0,
-                                                                  kv1 - kv0))
-                                for q0, q1, kv0, kv1 in source.receiver_blocks)
-        self.mask = None
-        if self.mask_format != "dense" and self.blocks is None:
-            self.mask = mask_in_format(source, self.mask_format)
+        self.mask = self._kernel_mask(source)
+
+    def _kernel_mask(self, source: AttentionMask):
+        """The mask the function takes (None for "dense": `weights_mask` forms it per shape)."""
+        return None if self.mask_format == "dense" else mask_in_format(source, self.mask_format)
 
     def to(self, device, non_blocking: bool = False) -> "PlannedAttention":
         """This entry with its masks on `device` (itself if already there), for accelerate's hooks."""
@@ -103,14 +95,6 @@ class PlannedAttention:
     def _senders(self, q_len: int, kv_len: int) -> int:
         return q_len if self.trims and 1 < q_len < kv_len else kv_len
 
-    def _by_blocks(self, attend, receivers, senders):
-        """`attend(mask, receiver_parts, sender_parts)` per block (`(tensor, dim)` pairs cut), concatenated on dim 1."""
-        blocks = self.blocks
-        receiver_parts = [cut(t, dim, [(q0, q1) for q0, q1, *_ in blocks]) for t, dim in receivers]
-        sender_parts = [cut(t, dim, [(kv0, kv1) for _, _, kv0, kv1, _ in blocks]) for t, dim in senders]
-        return torch.cat([attend(blocks[i][4], [parts[i] for parts in receiver_parts],
-                                 [parts[i] for parts in sender_parts]) for i in range(len(blocks))], dim=1)
-
     def _zero_isolated(self, out):
         """out `[b, q, h, d]` with receivers without senders zeroed."""
         return out if self.row_valid is None else out * self.row_valid.transpose(1, 2).to(out.dtype)
@@ -121,10 +105,6 @@ class PlannedSensory(PlannedAttention):
 
     def __call__(self, module, query, key, value, dropout: float = 0.0, **kwargs):
         """query `[b, h, q, d_h]`, key, value `[b, h_kv, kv, d_h]` -> `[b, q, h, d_h]`."""
-        if self.blocks is not None:
-            out = self._by_blocks(lambda mask, receivers, senders: self._run(
-                module, *receivers, *senders, mask, dropout, **kwargs), [(query, 2)], [(key, 2), (value, 2)])
-            return self._zero_isolated(out)
         q_len, kv_len = query.shape[2], key.shape[2]
         senders = self._senders(q_len, kv_len)
         if senders < kv_len:
@@ -141,7 +121,8 @@ class PlannedSensory(PlannedAttention):
 
 
 class PlannedRelational(PlannedAttention):
-    """Relational heads: a registered backend, replaced by the next one if its kernel fails."""
+    """Relational heads: a registered backend (`import dat_hf` installs the entry that falls back to the next one
+    where a compiled kernel fails: `dat_hf/kernels/plan_entries.py`)."""
 
     def __init__(self, source: AttentionMask, call: RelationalCall, requested: str | None,
                  attn_implementation: str | None, per_request: bool = False):
@@ -150,23 +131,16 @@ class PlannedRelational(PlannedAttention):
         self.per_request = per_request
         name = select_relational_attention(call, requested, attn_implementation)
         backend = RELATIONAL_ATTENTION_FUNCTIONS[name]
-        blocked = not (call.output_attentions or call.relative_symbols)
-        super().__init__(source, name, backend.function, backend.mask_format, blocked)
+        super().__init__(source, name, backend.function, backend.mask_format, call.output_attentions)
 
     def __call__(self, module, query, key, symbol_values, relation_queries, relation_keys, symbols_at=None):
         """Inputs as `eager_relational_attention` -> messages `[b, q, h, d_h]`; records the backend on `module`."""
         args = (query, key, symbol_values, relation_queries, relation_keys, module.local_relation_proj(),
                 module.spec, module.attention_dropout if module.training else 0.0, symbols_at)
-        if torch.compiler.is_compiling():
-            return self._attend(*args)
-        while True:
-            try:
-                messages = self._attend(*args)
-                if getattr(module, "relational_attention_backend", None) != self.name:  # (`__setattr__` is slow)
-                    module.relational_attention_backend = self.name
-                return messages
-            except RelationalBackendUnavailable as error:
-                self._fall_back(error)
+        messages = self._attend(*args)
+        if not torch.compiler.is_compiling() and getattr(module, "relational_attention_backend", None) != self.name:
+            module.relational_attention_backend = self.name  # (`__setattr__` is slow)
+        return messages
 
     def _attend(self, query, key, symbol_values, relation_queries, relation_keys, relation_proj, spec, dropout,
                 symbols_at):
@@ -178,14 +152,6 @@ class PlannedRelational(PlannedAttention):
             messages, _, _ = self.function(query, key, symbol_values, relation_queries, relation_keys,
                                            relation_proj, self.mask, spec, dropout)
             return self._zero_isolated(messages).transpose(0, 1)
-        if self.blocks is not None:
-            def attend_block(mask, receivers, senders):
-                (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
-                return self.function(query_part, key_part, symbol_part, relation_query_part, relation_key_part,
-                                     relation_proj, mask, spec, dropout)[0]
-
-            return self._zero_isolated(self._by_blocks(attend_block, [(query, 2), (relation_queries, 1)],
-                                                       [(key, 2), (symbol_values, 2), (relation_keys, 1)]))
         senders = self._senders(query.shape[2], key.shape[2])
         if senders < key.shape[2]:
             key, relation_keys = key[:, :, :senders], relation_keys[:, :senders]
@@ -194,18 +160,6 @@ class PlannedRelational(PlannedAttention):
         messages, _, _ = self.function(query, key, symbol_values, relation_queries, relation_keys, relation_proj,
                                        self.mask, spec, dropout, symbols_at=symbols_at)
         return self._zero_isolated(messages)
-
-    def _fall_back(self, error: RelationalBackendUnavailable):
-        """Drop the failed backend on this device type for the process (one `RuntimeWarning`) and take the next;
-        re-raise for a requested backend."""
-        device, failed = self.call.device, self.name
-        if (self.requested is not None or failed == "eager"
-                or (failed, device) in RELATIONAL_ATTENTION_FUNCTIONS.unavailable):
-            raise error
-        RELATIONAL_ATTENTION_FUNCTIONS.unavailable[(failed, device)] = str(error)
-        self.__init__(self.source, self.call, self.requested, self.attn_implementation, self.per_request)
-        warnings.warn(f"dat_hf: the {failed!r} relational attention backend is not used on {device} from now on in "
-                      f"this process; {self.name!r} runs instead. {error}", RuntimeWarning, stacklevel=3)
 
 
 def sensory_function(config, output_attentions: bool) -> tuple:
@@ -219,40 +173,16 @@ def sensory_function(config, output_attentions: bool) -> tuple:
     return implementation, sensory_attention_backend(implementation)
 
 
+# the plan's entry classes by head type ("sensory", "relational"): `import dat_hf` installs subclasses that also attend
+# block by block over masks with receiver blocks (`dat_hf/kernels/receiver_blocks.py`); none: the classes above
+PLAN_ENTRIES = BACKENDS.of("plan_entries")
+
+
 class AttentionPlan(NamedTuple):
     """`{bias: PlannedSensory}` and `{bias: PlannedRelational}` for one forward."""
 
     sensory: dict
     relational: dict
-
-    @staticmethod
-    def reuse_key(masks: dict, config, query_like: torch.Tensor, output_attentions: bool, requires_grad: bool,
-                  training: bool, sensory_biases, relational_biases, per_request: bool = False) -> tuple | None:
-        """What `build` reads, as a key under which a plan can serve the next forward (a decoding step): None unless
-        every mask is implicit (no tensor, window, BlockMask or blocks: causal order or nothing), outside tracing.
-        The backends' registry (entries and unavailable ones) and the resolved sensory function are part of it."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            return None
-        flags = []
-        for bias, mask in masks.items():
-            if not mask.implicit:
-                return None
-            flags.append((bias, mask.is_causal))
-        device = query_like.device.type
-        autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
-        return (tuple(flags), tuple(sensory_biases), tuple(relational_biases), query_like.dtype, query_like.device,
-                query_like.shape[1], output_attentions, requires_grad, training, per_request, autocast,
-                autocast and torch.get_autocast_dtype(device), *sensory_function(config, output_attentions),
-                getattr(config, "relational_attn_implementation", None), config.relation_activation,
-                config.symbol_retrieval, config.attention_dropout if training else 0.0,
-                tuple(RELATIONAL_ATTENTION_FUNCTIONS.items()), tuple(RELATIONAL_ATTENTION_FUNCTIONS.unavailable))
-
-    def reused(self) -> "AttentionPlan":
-        """This plan for another forward with the same key (`reuse_key`): the explicit masks formed per shape are
-        dropped."""
-        for entry in (*self.sensory.values(), *self.relational.values()):
-            entry._dense = {}
-        return self
 
     @classmethod
     def build(cls, masks: dict, config, query_like: torch.Tensor, output_attentions: bool = False,
@@ -265,7 +195,9 @@ class AttentionPlan(NamedTuple):
         dropout = config.attention_dropout if training else 0.0
         implementation, backend = sensory_function(config, output_attentions)
         name = "eager" if backend is SENSORY_ATTENTION_FUNCTIONS["eager"] else implementation
-        sensory = {bias: PlannedSensory(masks[bias], name, backend.function, backend.mask_format, not output_attentions)
+        planned_sensory = PLAN_ENTRIES["sensory"].function if "sensory" in PLAN_ENTRIES else PlannedSensory
+        planned_relational = PLAN_ENTRIES["relational"].function if "relational" in PLAN_ENTRIES else PlannedRelational
+        sensory = {bias: planned_sensory(masks[bias], name, backend.function, backend.mask_format, output_attentions)
                    for bias in dict.fromkeys(sensory_biases)}
         if relative_symbols is None:
             relative_symbols = config.symbol_retrieval == "position_relative"
@@ -276,8 +208,16 @@ class AttentionPlan(NamedTuple):
             call = RelationalCall.of_forward(query_like, 1 if per_request else query_like.shape[1], requires_grad,
                                              output_attentions, config.relation_activation, relative_symbols, dropout,
                                              mask)
-            relational[bias] = PlannedRelational(mask, call, requested, implementation, per_request)
+            relational[bias] = planned_relational(mask, call, requested, implementation, per_request)
         return cls(sensory, relational)
+
+
+@replaceable("plan_attention")
+def plan_attention(model, *inputs, per_request: bool = False) -> AttentionPlan:
+    """`model`'s plan for this forward, `AttentionPlan.build(*inputs, per_request=per_request)`; `import dat_hf`
+    installs one that serves a decoding step the last step's plan when nothing it reads changed
+    (`dat_hf/kernels/plan_reuse.py`)."""
+    return AttentionPlan.build(*inputs, per_request=per_request)
 
 
 def gradients_flow(model, inputs_embeds: torch.Tensor) -> bool:
@@ -287,5 +227,5 @@ def gradients_flow(model, inputs_embeds: torch.Tensor) -> bool:
     return inputs_embeds.requires_grad or any(p.requires_grad for p in model.parameters())
 
 
-__all__ = ["MASK_FORMATS", "AttentionPlan", "KernelMask", "PlannedRelational", "PlannedSensory", "gradients_flow",
-           "mask_in_format"]
+__all__ = ["MASK_FORMATS", "PLAN_ENTRIES", "AttentionPlan", "KernelMask", "PlannedRelational", "PlannedSensory",
+           "gradients_flow", "mask_in_format", "plan_attention"]

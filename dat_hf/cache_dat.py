@@ -9,9 +9,15 @@ mask over the packed requests, `continuous_batching_limits`: what it cannot serv
 
 The model meets it through `open_cache` (a forward's cache), `packed_update` (a layer's write and read),
 `receiver_slots` (where the receivers sit among the keys) and `paged_masks`.
+
+Faster layers are installed by `import dat_hf` (`dat_hf.kernels.caches`) in `CACHE_LAYERS`, the one registry's table
+`BACKENDS.of("cache_layers")`: "dynamic" (a class of `capacity`) for `DynamicLayer`s, "static_sliding" for
+`DATStaticSlidingWindowLayer`. This module asks a layer for its hooks by name, never by class: `update_packed`
+(`packed_update`), `receiver_slots`, and `to_slots` (`masking_dat`); without them (remote code alone) Transformers'
+layers run, with the same results.
 """
 
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
@@ -19,7 +25,8 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, Dynamic
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.masking_utils import and_masks, sliding_window_causal_mask_function
 
-from .masking_dat import RECEIVER_BLOCK, AttentionMask, transformers_window, with_row_validity
+from .kernel_hooks import BACKENDS, replaceable
+from .masking_dat import AttentionMask, transformers_window, with_row_validity
 from .relational_biases import RELATIONAL_BIASES, mask_function_of, pair_mask, relational_bias
 from .transformers_compat import paged_cache_limits
 
@@ -63,119 +70,20 @@ class PackedCache:
 def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int):
     """Write one layer's keys `[b, h_k, n, d_h]` and flat values `[b, n, width]` (`packed`'s order) into `cache` and
     read back all it holds -> `packed.views`' keys per head type and values. No cache: the new states' views; a
-    `PagedCache` writes its pages; a dynamic cache's in-place layer writes the parts into its buffers unpacked."""
+    `PagedCache` writes its pages; a dynamic cache's layer with an `update_packed` (the registered "dynamic" layer)
+    takes the parts unpacked."""
     if cache is None:
         return packed.views(keys, values)
     if isinstance(cache, PagedCache):
         return cache.update_packed(packed, keys, values, layer_idx)
     layers = cache.layers if type(cache) is DynamicCache else ()
-    if layer_idx < len(layers) and type(layers[layer_idx]) is InPlaceCacheLayer:
-        return layers[layer_idx].update_packed(packed, keys, values)
+    update_packed = getattr(layers[layer_idx], "update_packed", None) if layer_idx < len(layers) else None
+    if update_packed is not None:
+        return update_packed(packed, keys, values)
     return packed.unpack(*cache.update(*packed.pack([keys], values), layer_idx))
 
 
 # ---- the layers of Transformers' caches -------------------------------------------------------------------------
-class InPlaceCacheLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room (`capacity`, doubled when
-    full): a decoding step copies only the new token. If anything else replaced `keys`/`values` (crop, beam
-    reordering, device moves), the next update copies into fresh buffers, so earlier views are never overwritten."""
-
-    def __init__(self, capacity: int | None = None):
-        super().__init__()
-        self.capacity = capacity
-        self._length = 0
-        self._buffers = None  # keys `[..., capacity, d_k]`, values `[..., capacity, d_v]`
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return super().update(key_states, value_states, *args, **kwargs)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length, new = self.get_seq_length(), key_states.shape[-2]
-        if not self._owns(length, key_states, value_states):
-            self._reallocate(length, length + new, key_states, value_states)
-        key_buffer, value_buffer = self._buffers
-        key_buffer[..., length:length + new, :].copy_(key_states)
-        value_buffer[..., length:length + new, :].copy_(value_states)
-        self.keys, self.values = key_buffer[..., :length + new, :], value_buffer[..., :length + new, :]
-        self._length = length + new
-        return self.keys, self.values
-
-    def update_packed(self, packed, key_states, values: list):
-        """A `PackedCache` layer's update without packing: keys `[b, h_k, n, d_h]` and flat values `[b, n, width]`
-        are written into the buffers, and the views `packed.views` gives are cut from views of the whole buffers
-        kept with them -> (keys per head type, values) over the cached tokens, as `packed.unpack(*update(...))`."""
-        length, new = self._length, key_states.shape[-2]
-        if (torch.compiler.is_compiling() or key_states.shape[1] != sum(packed.key_heads)
-                or not self.has_room_for(key_states.shape[0], new, packed, key_states.dtype, key_states.device)
-                or any(value.dtype != key_states.dtype for value in values)):
-            return packed.unpack(*self.update(*packed.pack([key_states], values)))
-        key_buffer, value_buffer = self._buffers
-        key_buffer.narrow(-2, length, new).copy_(key_states)
-        rows, keys, parts = self._packed_views(packed, value_buffer)
-        torch.cat(values, dim=-1, out=rows.narrow(1, length, new)) if len(values) > 1 else \
-            rows.narrow(1, length, new).copy_(values[0])
-        self._length = total = length + new
-        self.keys, self.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
-        return ([key.narrow(2, 0, total) for key in keys],
-                [part.narrow(2 if heads else 1, 0, total) for part, heads in zip(parts, packed.value_heads)])
-
-    def has_room_for(self, batch_size: int, new: int, packed, dtype, device) -> bool:
-        """Whether `new` tokens of a `PackedCache` layer's states (`batch_size` rows, `dtype`, on `device`) can be
-        written into the buffers at the current length (which `keys`/`values` still cover)."""
-        if self._buffers is None or not self.is_initialized or self._length != self.keys.shape[-2]:
-            return False
-        key_buffer, value_buffer = self._buffers
-        return (self.keys.data_ptr() == key_buffer.data_ptr() and self.values.data_ptr() == value_buffer.data_ptr()
-                and self.keys.stride() == key_buffer.stride() and self.values.stride() == value_buffer.stride()
-                and self._length + new <= key_buffer.shape[-2] and key_buffer.shape[0] == batch_size
-                and key_buffer.shape[1] == sum(packed.key_heads) and key_buffer.shape[-1] == packed.head_dim
-                and value_buffer.shape[-1] == sum(packed.value_widths) and key_buffer.dtype == value_buffer.dtype == dtype
-                and key_buffer.device == device)
-
-    def _packed_views(self, packed, value_buffer):
-        """(value rows `[b, capacity, width]`, keys per head type and values over the whole buffers), made once per
-        buffers and layout."""
-        views = self.__dict__.get("_views")
-        if views is None or views[0] is not packed or views[1] is not self._buffers:
-            rows = value_buffer[:, 0]
-            keys, parts = packed.views(self._buffers[0], list(rows.split(packed.value_widths, dim=-1)))
-            views = self._views = (packed, self._buffers, (rows, keys, parts))
-        return views[2]
-
-    def _owns(self, length, key_states, value_states) -> bool:
-        """Whether `keys`/`values` are still this layer's prefix views with room for the new states."""
-        if self._buffers is None or length != self._length:
-            return False
-        for cached, buffer, new in zip((self.keys, self.values), self._buffers, (key_states, value_states)):
-            if (cached.data_ptr() != buffer.data_ptr() or cached.stride() != buffer.stride()
-                    or new.shape[:-2] != buffer.shape[:-2] or new.shape[-1] != buffer.shape[-1]
-                    or new.dtype != buffer.dtype or new.device != buffer.device
-                    or length + new.shape[-2] > buffer.shape[-2]):
-                return False
-        return True
-
-    def _reallocate(self, length, needed, key_states, value_states):
-        capacity = max(needed, self.capacity or 0)
-        if self._buffers is not None and needed > (self.capacity or 0):
-            capacity = max(capacity, 2 * needed)  # growing past the hint: double
-        buffers = []
-        for cached, new in ((self.keys, key_states), (self.values, value_states)):
-            dtype = new.dtype if length == 0 else torch.promote_types(cached.dtype, new.dtype)
-            buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1], dtype=dtype)
-            if length > 0:
-                buffer[..., :length, :].copy_(cached)
-            buffers.append(buffer)
-        self._buffers = tuple(buffers)
-
-    def reset(self) -> None:
-        """Drop keys, values and buffers without zeroing them in place (earlier views keep their values)."""
-        self._buffers, self._length = None, 0
-        self.keys = self.values = None
-        self.is_initialized = False
-        super().reset()
-
-
 class DATStaticLayer(StaticLayer):
     """A `StaticLayer` with keys `[b, h_kv, max_len, d_h]` and values `[b, 1, max_len, width]`;
     `max_cache_len=None`: the first update's length (cross-attention)."""
@@ -197,96 +105,43 @@ class DATStaticLayer(StaticLayer):
 
 
 class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
-    """A `StaticSlidingWindowLayer` with DAT's packed values, kept as a ring: position t lives in slot
-    t mod `max_cache_len`. A one-token update writes its slot without branching (the count is a tensor, so one
-    compiled step serves every token) and returns the slots in ring order (`to_slots` rotates its mask, `query_slot`
-    gives the receiver's slot); longer updates run eagerly and return the window oldest first."""
+    """A `StaticSlidingWindowLayer` with DAT's packed values: Transformers' updates and mask sizes (the window kept
+    oldest first, rolled by each token once full), DAT's lazy initialization. The "static_sliding" entry of
+    `CACHE_LAYERS` (`import dat_hf`'s ring) replaces it."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        size, new = self.max_cache_len, key_states.shape[-2]
-        if new == 1:
-            slot = (self.cumulative_length % size).view(1)
-            self.keys.index_copy_(2, slot, key_states)
-            self.values.index_copy_(2, slot, value_states)
-            self.cumulative_length.add_(1)
-            return self.keys, self.values
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                f"A compiled step may add one token at a time to a sliding-window static cache (got {new}); run longer "
-                "steps eagerly (`generate` with a compile config compiles the chunks of `prefill_chunk_size`: leave it "
-                "unset)."
-            )
-        seen = int(self.cumulative_length)
-        if seen + new <= size:  # the window is not full yet: slots are positions
-            for cache, state in ((self.keys, key_states), (self.values, value_states)):
-                cache[:, :, seen:seen + new].copy_(state)
-            self.cumulative_length.add_(new)
-            return self.keys, self.values
-        # return up to `size - 1` earlier tokens and the new ones; keep the last `size`
-        earlier = torch.arange(seen - min(seen, size - 1), seen, device=self.device) % size
-        kept = torch.arange(seen + new - size, seen + new, device=self.device) % size
-        states = []
-        for cache, state in ((self.keys, key_states), (self.values, value_states)):
-            states.append(torch.cat((cache.index_select(2, earlier), state), dim=-2))
-            cache.index_copy_(2, kept, states[-1][:, :, -size:])
-        self.cumulative_length.add_(new)
-        return tuple(states)
 
-    def get_seq_length(self):
-        """The tokens seen, as a tensor (a compiled step does not specialize on it)."""
-        return self.cumulative_length if self.is_initialized else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if torch.compiler.is_compiling():
-            raise ValueError(
-                "The masks of a sliding-window static cache are built outside the compiled step (they depend on the "
-                "tokens seen): pass `attention_mask=model.create_masks_for_generate(...)`, as `generate` does."
-            )
-        self.cumulative_length_int = int(self.cumulative_length) if self.is_initialized else 0
-        return super().get_mask_sizes(query_length)
-
-    def to_slots(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """A mask `[..., q, kv]` built oldest first -> in the order of the keys the next update returns."""
-        seen, size = self.cumulative_length_int, self.max_cache_len
-        if mask is None or mask.shape[-2] != 1 or seen < size:
-            return mask
-        return mask.roll((seen + 1) % size, dims=-1)
-
-    def query_slot(self, query_length: int) -> torch.Tensor:
-        """The first new token's index among the keys the next update returns."""
-        seen = self.cumulative_length
-        return seen % self.max_cache_len if query_length == 1 else seen.clamp(max=self.max_cache_len - 1)
+# the faster layers `import dat_hf` registers: "dynamic", "static_sliding" (see the module docstring)
+CACHE_LAYERS = BACKENDS.of("cache_layers")
 
 
 def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
                   cross_attention: bool = False) -> Cache | None:
-    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`/`DATStaticSlidingWindowLayer` in a `StaticCache`,
-    `InPlaceCacheLayer` (with `in_place`; `capacity`: expected length) in a `DynamicCache`; an `EncoderDecoderCache`'s
-    cross-attention half gets full layers. Returns `cache`."""
+    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`/`DATStaticSlidingWindowLayer` (or the registered
+    "static_sliding" layer) in a `StaticCache`; in a `DynamicCache`, with `in_place`, the registered "dynamic" layer
+    (`capacity`: expected length) if any; an `EncoderDecoderCache`'s cross-attention half gets full layers. Returns
+    `cache`."""
     if isinstance(cache, EncoderDecoderCache):
         prepare_cache(cache.self_attention_cache, capacity, in_place)
         prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
     elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
+        faster = CACHE_LAYERS.get("dynamic") if in_place else None
+        full = DynamicLayer if faster is None else partial(faster.function, capacity)
         for i, layer in enumerate(cache.layers):
-            if layer.is_initialized:
-                continue
-            if type(layer) is DynamicLayer and in_place:
-                cache.layers[i] = InPlaceCacheLayer(capacity)
-            elif type(layer) is DynamicSlidingWindowLayer and cross_attention:
-                cache.layers[i] = InPlaceCacheLayer(capacity) if in_place else DynamicLayer()
-        if cache.layer_class_to_replicate is DynamicLayer and in_place:
-            cache.layer_class_to_replicate = partial(InPlaceCacheLayer, capacity)
+            if not layer.is_initialized and (type(layer) is DynamicLayer and faster is not None
+                                             or type(layer) is DynamicSlidingWindowLayer and cross_attention):
+                cache.layers[i] = full()
+        if cache.layer_class_to_replicate is DynamicLayer:
+            cache.layer_class_to_replicate = full
     elif isinstance(cache, StaticCache):
+        ring = CACHE_LAYERS.get("static_sliding")
+        sliding = DATStaticSlidingWindowLayer if ring is None else ring.function
         for i, layer in enumerate(cache.layers):
             unused = not layer.is_initialized or _initialized_ahead(layer)
             if type(layer) is StaticLayer and unused:
                 cache.layers[i] = DATStaticLayer(layer.max_cache_len)
             elif type(layer) is StaticSlidingWindowLayer and unused:
                 cache.layers[i] = (DATStaticLayer(None) if cross_attention
-                                   else DATStaticSlidingWindowLayer(layer.max_cache_len,
-                                                                    sliding_window=layer.max_cache_len))
+                                   else sliding(layer.max_cache_len, sliding_window=layer.max_cache_len))
     return cache
 
 
@@ -344,9 +199,9 @@ def receiver_slots(cache, layer_idx: int, query_length: int, clip: int) -> dict:
         return {"index": cache.relative_position_index(layer_idx, clip)}
     if cache is None:
         return {}
-    layer = cache.layers[layer_idx]
-    if isinstance(layer, DATStaticSlidingWindowLayer):
-        return {"offset": layer.query_slot(query_length).clone(), "ring": layer.max_cache_len}
+    slots = getattr(cache.layers[layer_idx], "receiver_slots", None)  # (a ring layer's)
+    if slots is not None:
+        return slots(query_length)
     # (a copy: a static layer's count is updated in place)
     offset = cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
     return {"offset": torch.as_tensor(offset).clone()}
@@ -372,39 +227,19 @@ class PagedCache:
 
     def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
         """Keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` (a `PackedCache`'s order) -> as `packed.views`
-        for the N tokens the receivers may read: keys per head type `[1, h_kv, N, d_h]`, values (views except the
-        part across the halves)."""
+        for the N tokens the receivers may read: keys per head type `[1, h_kv, N, d_h]`, values (`paged_views`)."""
         _, key_heads, m, d = keys.shape
         parts = [keys.transpose(1, 2).reshape(1, m, key_heads * d), *values]
         widths = tuple(part.shape[-1] for part in parts)
-        heads, padding, pieces = paged_layout(widths, d)
-        if padding:
-            parts.append(keys.new_zeros(1, m, padding))
-        tokens = torch.cat(parts, dim=-1)  # [1, M, 2 half]
+        heads = -(-sum(widths) // (2 * d))  # `num_key_value_heads`: each half holds `heads * d` of a token
         half = heads * d
+        if 2 * half > sum(widths):
+            parts.append(keys.new_zeros(1, m, 2 * half - sum(widths)))
+        tokens = torch.cat(parts, dim=-1)  # [1, M, 2 half]
         # the halves as `[1, heads, M, d]` views; the cache rewrites its kwargs, so each layer gets a copy
         new = [tokens.as_strided((1, heads, m, d), (m * 2 * half, d, 2 * half, 1), tokens.storage_offset() + i * half)
                for i in (0, 1)]
-        read = [_token_rows(part) for part in self.cache.update(*new, layer_idx, dict(self.arguments))]
-        n = read[0][0].shape[2]
-        # per part: (element offset, heads; 0: relation keys), keys one per head type
-        part_views = [[(sum(packed.key_heads[:i]) * d, h) for i, h in enumerate(packed.key_heads)]]
-        part_views += [[(0, h)] for h in packed.value_heads]
-        views = []
-        for (h, start, end), width, offsets in zip(pieces, widths, part_views):
-            if h is None:  # across the halves: both pieces, `[N, width]`
-                (first, row0, at0), (second, row1, at1) = read
-                base = torch.cat((first.as_strided((n, half - start), (row0, 1), at0 + start),
-                                  second.as_strided((n, end), (row1, 1), at1)), dim=-1)
-                row, at = width, base.storage_offset()
-            else:
-                base, row, at = read[h]
-                at += start
-            for offset, heads in offsets:  # `[1, heads, N, d]`, or relation keys `[1, N, R, d_r]`
-                size, stride = (((heads, n, d), (d, row, 1)) if heads else
-                                ((n, *packed.relation_shape), (row, packed.relation_shape[1], 1)))
-                views.append(base.as_strided((1, *size), (n * row, *stride), at + offset))
-        return views[:len(packed.key_heads)], views[len(packed.key_heads):]
+        return paged_views(packed, self.cache.update(*new, layer_idx, dict(self.arguments)), widths)
 
     def key_positions(self, layer_type: str) -> torch.Tensor:
         """The positions of the N keys the layers of `layer_type` read: each request's keys, in order, the last at
@@ -428,31 +263,15 @@ class PagedCache:
         return self._relative_index[layer_type]
 
 
-def _token_rows(read: torch.Tensor):
-    """A half read back, `[1, heads, N, d]` -> (tensor with each token's `heads * d` elements contiguous, token
-    stride, token 0's storage offset)."""
-    if read.stride(3) != 1 or read.stride(1) != read.shape[3]:
-        read = read.transpose(1, 2).contiguous().transpose(1, 2)
-    return read, read.stride(2), read.storage_offset()
-
-
-@lru_cache(maxsize=None)
-def paged_layout(widths: tuple[int, ...], head_dim: int) -> tuple[int, int, tuple]:
-    """A packed token of parts `widths` in the cache's two halves -> (heads, zero padding, per part (half, start,
-    end), or (None, start in the first half, end in the second) for the part across them)."""
-    width = sum(widths)
-    heads = -(-width // (2 * head_dim))
-    half, pieces, start = heads * head_dim, [], 0
-    for part in widths:
-        end = start + part
-        if end <= half:
-            pieces.append((0, start, end))
-        elif start >= half:
-            pieces.append((1, start - half, end - half))
-        else:
-            pieces.append((None, start, end - half))
-        start = end
-    return heads, 2 * half - width, tuple(pieces)
+@replaceable("paged_views")
+def paged_views(packed: PackedCache, halves, widths: tuple) -> tuple:
+    """The cache's key and value halves read back, `[1, heads, N, d_h]` each, holding N packed tokens of parts
+    `widths` -> `packed.views` of them: keys per head type `[1, h_kv, N, d_h]`, values. The reference joins the halves
+    (a copy); `import dat_hf` installs views of the pages without it (`dat_hf/kernels/paged_views.py`)."""
+    n = halves[0].shape[2]
+    tokens = torch.cat([half.transpose(1, 2).reshape(1, n, -1) for half in halves], dim=-1)
+    keys, *values = tokens[..., :sum(widths)].split(widths, dim=-1)
+    return packed.views(keys.view(1, n, -1, packed.head_dim).transpose(1, 2), values)
 
 
 def paged_masks(attention_mask, config, cache) -> dict[str, AttentionMask]:
@@ -470,27 +289,28 @@ def paged_masks(attention_mask, config, cache) -> dict[str, AttentionMask]:
                 continue
             mask = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
             allowed = mask if mask.dtype == torch.bool else mask == 0
-            graph = _paged_graph(relational_bias(bias), kind, config, cache)
+            graph = _paged_graph(relational_bias(bias), kind, config, cache, mask.device)
             if graph is not None:
                 allowed = allowed & graph[None, None]
             # receiver blocks skip other requests' senders (not looked for under two blocks of receivers)
-            masks[bias] = with_row_validity(allowed, is_causal=False,
-                                            receiver_blocks=mask.shape[-2] >= 2 * RECEIVER_BLOCK)
+            masks[bias] = with_row_validity(allowed, is_causal=False, min_blocks=2)
     return masks
 
 
-def _paged_graph(entry, kind: str, config, cache) -> torch.Tensor | None:
+def _paged_graph(entry, kind: str, config, cache, device) -> torch.Tensor | None:
     """Bias `entry`'s graph beyond its layers' paged mask (which holds causal order, and the window in sliding
-    layers), over receivers at `cache.position_ids` and the keys of `kind` -> bool `[M, N]`, or None if none."""
+    layers), over receivers at `cache.position_ids` and the keys of `kind` -> bool `[M, N]` on `device`, or None if
+    none."""
     functions = []
     if entry.window and kind != "sliding_attention":  # (a window in full-attention layers)
         functions.append(sliding_window_causal_mask_function(transformers_window(config.sliding_window_size, False)))
-    function = mask_function_of(entry, config, cache.position_ids.device)
+    function = mask_function_of(entry, config, device)
     if function is not None:
         functions.append(function)
     if not functions:
         return None
-    return pair_mask(and_masks(*functions), cache.position_ids, cache.key_positions(kind))
+    senders = cache.key_positions(kind)
+    return pair_mask(and_masks(*functions), cache.position_ids, senders)
 
 
 def continuous_batching_limits(config, tp_size: int = 1) -> list[str]:
@@ -534,7 +354,6 @@ def paged_biases() -> list[str]:
     return [name for name, bias in RELATIONAL_BIASES.items() if not bias.cross and paging_limit(name) is None]
 
 
-__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "InPlaceCacheLayer", "PAGED_ARGUMENTS", "PackedCache",
-           "PagedCache", "check_cache", "continuous_batching_limits", "open_cache",
-           "packed_update", "paged_biases", "paged_layout", "paged_masks", "paging_limit", "prepare_cache",
-           "receiver_slots", "self_attention_cache"]
+__all__ = ["CACHE_LAYERS", "DATStaticLayer", "DATStaticSlidingWindowLayer", "PAGED_ARGUMENTS", "PackedCache",
+           "PagedCache", "check_cache", "continuous_batching_limits", "open_cache", "packed_update", "paged_biases",
+           "paged_masks", "paged_views", "paging_limit", "prepare_cache", "receiver_slots", "self_attention_cache"]

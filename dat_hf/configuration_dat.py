@@ -19,11 +19,15 @@ from transformers.utils import auto_docstring
 
 from .relational_biases import check_bias_field, layer_type
 
-SYMBOL_RETRIEVALS = ("symbolic_attention", "positional", "position_relative")
 POSITION_EMBEDDINGS = ("rope", "learned", "none")
-NORM_TYPES = ("layernorm", "rmsnorm")
-RELATION_ACTIVATIONS = ("identity", "relu", "gelu", "gelu_pytorch_tanh", "silu", "sigmoid", "tanh")
-MLP_ACTIVATIONS = ("swiglu", "gelu", "gelu_pytorch_tanh", "relu", "silu", "tanh", "sigmoid")
+# the fields with a fixed set of values
+CHOICES = {
+    "symbol_retrieval": ("symbolic_attention", "positional", "position_relative"),
+    "position_embedding_type": POSITION_EMBEDDINGS,
+    "norm_type": ("layernorm", "rmsnorm"),
+    "relation_activation": ("identity", "relu", "gelu", "gelu_pytorch_tanh", "silu", "sigmoid", "tanh"),
+    "hidden_act": ("swiglu", "gelu", "gelu_pytorch_tanh", "relu", "silu", "tanh", "sigmoid"),
+}
 
 
 def _check_choice(name, value, choices):
@@ -41,20 +45,6 @@ def _check_positive(name, value, allow_none=False):
 def _check_probability(name, value):
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0):
         raise ValueError(f"`{name}` must be a probability in [0, 1), got {value!r}.")
-
-
-def _check_float_fields(config):
-    """Every field annotated `float` holds a finite number (or None where the annotation allows it): NaN and
-    infinities are refused with the field's name (a NaN scale would otherwise give NaN logits silently)."""
-    for field in dataclasses.fields(config):
-        annotation = str(field.type)
-        if "float" not in annotation:
-            continue
-        value = getattr(config, field.name, None)
-        if value is None and "None" in annotation:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
 
 
 MAX_LAYERS = 10_000  # beyond any real model; a config.json asking for more is refused before anything is built
@@ -75,12 +65,16 @@ FLOAT_RANGES = {
 }
 
 
-def _check_ranges(config):
+def _check_floats(config):
+    """Every float field (`@strict` has checked the types) holds a finite number: NaN and infinities are refused with
+    the field's name (a NaN scale would otherwise give NaN logits silently); then the ranges of `FLOAT_RANGES`."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"`{field.name}` must be a finite number, got {value!r}.")
     for name, (low, high, closed) in FLOAT_RANGES.items():
-        value = getattr(config, name, None)
-        if value is None:
-            continue
-        if not ((low <= value if closed else low < value) and value <= high):
+        value = getattr(config, name)
+        if value is not None and not ((low <= value if closed else low < value) and value <= high):
             raise ValueError(f"`{name}` must be in {'[' if closed else '('}{low:g}, {high:g}], got {value!r}.")
 
 
@@ -252,7 +246,7 @@ class DualAttentionConfig(PreTrainedConfig):
     bias_inputs: ClassVar[tuple[str, ...]] = ("graph_adjacency",)
 
     def __post_init__(self, **kwargs):
-        if self.intermediate_size is None and isinstance(self.hidden_size, int):
+        if self.intermediate_size is None:
             # the reference's default: 4d, or 2/3 of it for the gated swiglu
             self.intermediate_size = int(2 / 3 * 4 * self.hidden_size) if self.hidden_act == "swiglu" else 4 * self.hidden_size
         self.validate_dual_attention()
@@ -281,9 +275,7 @@ class DualAttentionConfig(PreTrainedConfig):
 
     @property
     def relation_head_dim(self) -> int:
-        if self.relation_dim is not None:
-            return self.relation_dim
-        return self.head_dim * self.num_relational_heads // max(self.relations, 1)
+        return self.relation_dim or self.head_dim * self.num_relational_heads // max(self.relations, 1)
 
     @property
     def packed_cache_width(self) -> int:
@@ -341,52 +333,43 @@ class DualAttentionConfig(PreTrainedConfig):
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate_dual_attention(self):
-        """Raise a ValueError naming the field for every invalid value or combination."""
-        for name in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "symbolic_attention_heads",
-                     "num_symbols", "max_relative_position", "intermediate_size"):
-            _check_positive(name, getattr(self, name))
-        _check_layers("num_hidden_layers", self.num_hidden_layers)
-        for name in ("num_sensory_heads", "num_relational_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
-        for name in ("num_sensory_key_value_heads", "num_relational_key_value_heads", "num_relations",
-                     "relation_dim", "max_symbol_positions", "sliding_window_size", "sparse_block_size"):
+        """Raise a ValueError naming the field for every invalid value or combination. (`@strict` has checked the
+        types, None included: a field whose annotation does not allow None never holds it.)"""
+        for name in ("hidden_size", "max_position_embeddings", "symbolic_attention_heads", "num_symbols",
+                     "max_relative_position", "intermediate_size", "num_sensory_key_value_heads",
+                     "num_relational_key_value_heads", "num_relations", "relation_dim", "max_symbol_positions",
+                     "sliding_window_size", "sparse_block_size"):
             _check_positive(name, getattr(self, name), allow_none=True)
+        _check_layers("num_hidden_layers", self.num_hidden_layers)
+        for name in ("num_sensory_heads", "num_relational_heads", "sparse_global_tokens"):
+            if (value := getattr(self, name)) < 0:
+                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
         for name in ("attention_dropout", "hidden_dropout", "embedding_dropout", "symbol_dropout"):
             _check_probability(name, getattr(self, name))
-        _check_float_fields(self)
-        _check_ranges(self)
-        _check_choice("symbol_retrieval", self.symbol_retrieval, SYMBOL_RETRIEVALS)
-        _check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
-        _check_choice("norm_type", self.norm_type, NORM_TYPES)
-        _check_choice("relation_activation", self.relation_activation, RELATION_ACTIVATIONS)
-        _check_choice("hidden_act", self.hidden_act, MLP_ACTIVATIONS)
+        _check_floats(self)
+        for name, choices in CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
 
-        n_heads = self.num_sensory_heads + self.num_relational_heads
-        if n_heads == 0:
+        if self.num_attention_heads == 0:
             raise ValueError("`num_sensory_heads` + `num_relational_heads` must be at least 1 (both are 0).")
-        if self.hidden_size % n_heads != 0:
+        if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by the total number of heads "
-                f"`num_sensory_heads` + `num_relational_heads` ({n_heads})."
+                f"`num_sensory_heads` + `num_relational_heads` ({self.num_attention_heads})."
             )
-        head_dim = self.hidden_size // n_heads
-        if self.position_embedding_type == "rope" and head_dim % 2 != 0:
-            raise ValueError(f"RoPE needs an even head dimension; `hidden_size` / heads = {head_dim}.")
+        if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head dimension; `hidden_size` / heads = {self.head_dim}.")
         for heads_name, kv_name in (("num_sensory_heads", "num_sensory_key_value_heads"),
                                     ("num_relational_heads", "num_relational_key_value_heads")):
             heads, kv = getattr(self, heads_name), getattr(self, kv_name)
             if kv is not None and heads > 0 and heads % kv != 0:
                 raise ValueError(f"`{heads_name}` ({heads}) must be divisible by `{kv_name}` ({kv}).")
-        if self.num_relational_heads > 0:
-            total = head_dim * self.num_relational_heads
-            relations = self.num_relations or self.num_relational_heads
-            if self.relation_dim is None and total % relations != 0:
-                raise ValueError(
-                    f"`num_relations` ({relations}) must divide num_relational_heads * head_dim ({total}) "
-                    "when `relation_dim` is not given."
-                )
+        total = self.head_dim * self.num_relational_heads
+        if self.num_relational_heads > 0 and self.relation_dim is None and total % self.relations != 0:
+            raise ValueError(
+                f"`num_relations` ({self.relations}) must divide num_relational_heads * head_dim ({total}) "
+                "when `relation_dim` is not given."
+            )
         if self.share_attention_params:
             if self.num_sensory_heads != self.num_relational_heads:
                 raise ValueError(
@@ -410,16 +393,12 @@ class DualAttentionConfig(PreTrainedConfig):
     def _validate_biases(self):
         """The bias fields against the registry of relational biases (`relational_biases.check_bias_field`)."""
         for field_name in ("relational_bias", "relational_heads_bias"):
-            value = getattr(self, field_name)
-            if value is not None or field_name == "relational_bias":
+            if (value := getattr(self, field_name)) is not None:  # (None: `relational_heads_bias` follows the other)
                 check_bias_field(self, field_name, value, self.num_hidden_layers, "num_hidden_layers",
                                  self.causal_model, self.bias_inputs)
-        if not isinstance(self.sparse_global_tokens, int) or self.sparse_global_tokens < 0:
-            raise ValueError(f"`sparse_global_tokens` must be a non-negative integer, got {self.sparse_global_tokens!r}.")
-        if self.sparse_edges is not None:
-            for edge in self.sparse_edges:
-                if len(edge) != 2 or any((not isinstance(i, int)) or i < 0 for i in edge):
-                    raise ValueError(f"`sparse_edges` entries must be [receiver, sender] index pairs, got {edge!r}.")
+        for edge in self.sparse_edges or []:
+            if len(edge) != 2 or min(edge) < 0:
+                raise ValueError(f"`sparse_edges` entries must be [receiver, sender] index pairs, got {edge!r}.")
 
 
 @auto_docstring(

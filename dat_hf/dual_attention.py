@@ -21,8 +21,8 @@ from .cache_dat import PackedCache, packed_update, receiver_slots
 from .kernel_hooks import replaceable
 from .relational_attention import (RelationalSpec, RelativeSymbols, per_head_symbols, relational_messages,
                                    relational_weights)
-from .sensory_attention import eager_attention_forward, eager_attention_weights, repeat_kv
-from .tensor_parallel_dat import column_sharded, local_rows, local_tensor, sharded_projections
+from .sensory_attention import eager_attention_weights, repeat_kv
+from .tensor_parallel_dat import local_tensor
 
 
 @replaceable("rotary")
@@ -52,28 +52,10 @@ class DATRotaryEmbedding(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-# below this many rows the projections run one by one (concatenating weights costs more than it saves)
-FUSED_PROJECTION_MIN_ROWS = 64
-
-
-def is_plain_linear(module) -> bool:
-    """An `nn.Linear` with no hooks and no instance `forward` (TP styles, Accelerate hooks)."""
-    return (type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
-            and "forward" not in module.__dict__)
-
-
 @replaceable("fused_linear")
 def fused_linear(linears, x):
-    """`cat([linear(x) for linear in linears], -1)` as one GEMM over the concatenated weights; wrapped linears
-    (PEFT, hooks, quantized) and short inputs run one by one. x `[..., d]` -> `[..., sum of out_features]`."""
-    long = torch.compiler.is_exporting() or x.shape[:-1].numel() >= FUSED_PROJECTION_MIN_ROWS
-    if long and all(map(is_plain_linear, linears)):
-        weight = torch.cat([linear.weight for linear in linears])
-        bias = None
-        if any(linear.bias is not None for linear in linears):
-            bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
-                              for linear in linears])
-        return nn.functional.linear(x, weight, bias)
+    """`cat([linear(x) for linear in linears], -1)`: x `[..., d]` -> `[..., sum of out_features]`; `import dat_hf`
+    installs one matrix product over the concatenated weights for long inputs (`dat_hf/kernels/projections.py`)."""
     rows = x.reshape(-1, x.shape[-1])  # 2-d: one BLAS call per projection (decoding is op-bound)
     return torch.cat([linear(rows) for linear in linears], dim=-1).view(*x.shape[:-1], -1)
 
@@ -82,23 +64,17 @@ class FusedProjections(NamedTuple):
     """Projections of one input as one matrix product split into parts (`project_fused`).
 
     projections: (head type, attribute) pairs in fused-output order, looked up per call (PEFT replaces modules).
-    widths: each part's output features. local_widths: this rank's (tensor parallelism). sharded: whether any is.
+    widths: each part's output features; under tensor parallelism as its projections' styles output them (`colwise`:
+    this rank's heads; `dat_gather`: every relation, gathered whole).
     """
 
     projections: tuple
     widths: tuple
-    local_widths: tuple
-    sharded: bool
 
     @classmethod
-    def plan(cls, sensory, relational, parts: list) -> "FusedProjections":
+    def plan(cls, parts: list) -> "FusedProjections":
         """`parts`: ((head type, attribute) pairs, width) per part."""
-        projections = tuple(projection for names, _ in parts for projection in names)
-        linears = dict(zip(projections, head_linears(sensory, relational, projections)))
-        rows = {projection: local_rows(linear) for projection, linear in linears.items()}
-        local_widths = tuple(sum(rows[projection] for projection in names) for names, _ in parts)
-        sharded = any(linear.weight.shape[0] != rows[projection] for projection, linear in linears.items())
-        return cls(projections, tuple(width for _, width in parts), local_widths, sharded)
+        return cls(tuple(projection for names, _ in parts for projection in names), tuple(width for _, width in parts))
 
 
 def head_linears(sensory, relational, projections) -> list:
@@ -108,12 +84,10 @@ def head_linears(sensory, relational, projections) -> list:
     return [owners[owner][name] for owner, name in projections]
 
 
+@replaceable("project_fused")
 def project_fused(fused: FusedProjections, sensory, relational, x) -> list:
-    """x `[b, n, d]` -> the parts of `fused`, `[b, n, width]` each (`sharded_projections` under TP)."""
-    linears = head_linears(sensory, relational, fused.projections)
-    if fused.sharded and all(map(column_sharded, linears)):
-        return sharded_projections(linears, x, fused.local_widths, fused.widths)
-    return list(fused_linear(linears, x).split(fused.widths, dim=-1))
+    """x `[b, n, d]` -> the parts of `fused`, `[b, n, width]` each."""
+    return list(fused_linear(head_linears(sensory, relational, fused.projections), x).split(fused.widths, dim=-1))
 
 
 def attend_with_weights(sensory, relational, sensory_inputs, relational_inputs):
@@ -310,7 +284,7 @@ class DualAttention(nn.Module):
         if rel is not None:
             relation_projections = ["q_rel_proj"] + ([] if rel.symmetric_relations else ["k_rel_proj"])
             parts += [([("relational", name)], rel.num_relations * rel.relation_dim) for name in relation_projections]
-        self.input_projections = FusedProjections.plan(sen, rel, parts)
+        self.input_projections = FusedProjections.plan(parts)
 
     def forward(self, hidden_states, symbols, position_embeddings=None, sensory_plan=None, relational_plan=None,
                 cache=None, relative_position_index=None, **kwargs):
@@ -366,5 +340,4 @@ def dual_attention_outputs(sensory, relational, sensory_inputs, relational_input
 
 
 __all__ = ["DualAttention", "FusedProjections", "SensoryAttention", "RelationalAttention",
-           "DATRotaryEmbedding", "apply_rotary", "project_fused", "dual_attention_outputs", "eager_attention_forward",
-           "fused_linear"]
+           "DATRotaryEmbedding", "apply_rotary", "project_fused", "dual_attention_outputs", "fused_linear"]

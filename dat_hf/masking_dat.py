@@ -4,11 +4,10 @@
 # License. See the LICENSE file at the root of the dat_hf repository.
 """Attention masks of the relational biases (`relational_biases.py`), built once per forward with Transformers'
 `masking_utils`: a dense mask (None or bool `[b, 1, q, kv]`), a FlexAttention `BlockMask` when needed, `row_valid`
-(receivers with any sender) and optional receiver blocks; a long sliding window stays index arithmetic
-(`SlidingWindow`, O(n * window)).
+(receivers with any sender). Two hooks take what `import dat_hf` installs (`dat_hf/kernels/receiver_blocks.py`):
+receiver blocks (`find_receiver_blocks`) and long sliding windows without a dense mask (`long_window_mask`).
 """
 
-import bisect
 import functools
 import warnings
 
@@ -17,37 +16,11 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.exc import CppCompileError
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
-                                        create_causal_mask, create_sliding_window_causal_mask,
-                                        sliding_window_bidirectional_mask_function,
-                                        sliding_window_causal_mask_function)
+                                        create_causal_mask, create_sliding_window_causal_mask)
 
+from .kernel_hooks import replaceable
 from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, mask_function_of, relational_bias
 from .transformers_compat import cache_kwargs
-
-
-class _Cut(torch.autograd.Function):
-    """Ranges of `x` along `dim` as views; backward accumulates them into one zero tensor (not one per range)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, ranges):
-        ctx.shape, ctx.dim, ctx.ranges = x.shape, dim, ranges
-        return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grad = None
-        for (lo, hi), g in zip(ctx.ranges, grads):
-            if g is not None:
-                grad = g.new_zeros(ctx.shape) if grad is None else grad
-                grad.narrow(ctx.dim, lo, hi - lo).add_(g)
-        return grad, None, None
-
-
-def cut(x: torch.Tensor, dim: int, ranges) -> tuple:
-    """`x` cut to each `(lo, hi)` of `ranges` along `dim` (views; one backward node for all of them)."""
-    if x.requires_grad and torch.is_grad_enabled():
-        return _Cut.apply(x, dim, list(ranges))
-    return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
 
 
 def receiver_offset(q_len: int, kv_len: int, offset=None):
@@ -79,8 +52,9 @@ class AttentionMask:
     1. A given mask tensor is the whole graph (causal order, padding and bias): `is_causal` is then ignored.
     2. `is_causal` applies only to a None mask: receiver i sits at offset + i among the kv keys (offset = kv - q
        unless given, `receiver_offset`) and sees senders j <= offset + i. A None mask without it masks nothing.
-    3. In the "window" format a `SlidingWindow` over the whole sequence stands for the mask: the graph is the window
-       (one-sided: causal) and its padding, the `KernelMask`'s tensor.
+    3. In the "window" format a sliding window over the whole sequence (`KernelMask.window`, from what `import
+       dat_hf` installs) stands for the mask: the graph is the window (one-sided: causal) and its padding, the
+       `KernelMask`'s tensor.
     4. A receiver with no sender gets zeros: its row is opened (no NaN), marked in `row_valid`, and its output zeroed.
     A prefill into an empty static cache (q receivers, more slots) is trimmed to q = kv by the plan
     (`PlannedAttention.trims`), so rule 2 holds.
@@ -89,114 +63,72 @@ class AttentionMask:
     row_valid: None (every receiver has a sender) or bool `[b, 1, q, 1]`.
     is_causal: whether a None mask means causal order (rule 2).
     block_mask: the same graph as a FlexAttention `BlockMask` (only for `flex_attention`).
-    receiver_blocks: None or `((q0, q1, kv0, kv1), ...)`: receiver blocks and the senders any of them may see.
-    window: None or a `SlidingWindow` (`mask` is then built from it on first use).
+    receiver_blocks: None or `((q0, q1, kv0, kv1), ...)`: receiver blocks and the senders any of them may see (found
+        where `import dat_hf` installs a finder: `find_receiver_blocks`).
     """
 
-    __slots__ = ("_mask", "row_valid", "is_causal", "block_mask", "receiver_blocks", "window", "_window_blocks")
-
-    def __init__(self, mask, row_valid, is_causal: bool, block_mask=None, receiver_blocks=None, window=None):
-        self._mask, self.row_valid, self.is_causal = mask, row_valid, is_causal
-        self.block_mask, self.receiver_blocks, self.window = block_mask, receiver_blocks, window
-        self._window_blocks = {}
+    def __init__(self, mask, row_valid, is_causal: bool, block_mask=None, receiver_blocks=None):
+        self.mask, self.row_valid, self.is_causal = mask, row_valid, is_causal
+        self.block_mask, self.receiver_blocks = block_mask, receiver_blocks
 
     def to(self, device, non_blocking: bool = False) -> "AttentionMask":
         """This mask on `device` (itself if already there), for accelerate's `device_map` hooks."""
         device = torch.device(device)
-        held = (self._mask, self.row_valid, None if self.window is None else self.window.padding,
-                None if self.block_mask is None else self.block_mask.kv_num_blocks)
+        held = (self.mask, self.row_valid, None if self.block_mask is None else self.block_mask.kv_num_blocks)
         if all(t is None or t.device == device for t in held):
             return self
-
         mask, row_valid = (None if t is None else t.to(device, non_blocking=non_blocking)
-                           for t in (self._mask, self.row_valid))
-        window = None if self.window is None else self.window.to(device, non_blocking)
+                           for t in (self.mask, self.row_valid))
         block_mask = None if self.block_mask is None else self.block_mask.to(device)  # (it takes no non_blocking)
-        return AttentionMask(mask, row_valid, self.is_causal, block_mask, self.receiver_blocks, window)
+        return AttentionMask(mask, row_valid, self.is_causal, block_mask, self.receiver_blocks)
 
     def rows_as_batch(self) -> "AttentionMask":
         """`[1, 1, q, kv]` -> `[q, 1, 1, kv]` (views): q rows of one receiver each (`per_request`)."""
         row_valid = None if self.row_valid is None else self.row_valid.transpose(0, 2)
         return AttentionMask(self.mask.transpose(0, 2), row_valid, False)
 
-    def _from_window(self, q0: int, q1: int, kv0: int, kv1: int) -> torch.Tensor:
-        """The sliding window's bool mask of receivers [q0, q1) over senders [kv0, kv1), isolated receivers open."""
-        row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
-        return self.window.allowed(q0, q1, kv0, kv1, row_valid)
-
-    @property
-    def mask(self) -> torch.Tensor | None:
-        if self._mask is None and self.window is not None:
-            self._mask = self._from_window(0, self.window.length, 0, self.window.length)
-        return self._mask
-
     @property
     def implicit(self) -> bool:
-        """Whether nothing but `is_causal` describes the graph (no tensor, window, BlockMask or receiver blocks)."""
-        return (self._mask is None and self.window is None and self.block_mask is None and self.row_valid is None
+        """Whether nothing but `is_causal` describes the graph (no tensor, BlockMask or receiver blocks)."""
+        return (self.mask is None and self.block_mask is None and self.row_valid is None
                 and self.receiver_blocks is None)
 
     @property
     def masked(self) -> bool:
         """Whether a mask is given beyond the implicit causal order (False: `mask` is None)."""
-        return self._mask is not None or self.window is not None
+        return self.mask is not None
 
     @property
     def bool_or_none(self) -> bool:
-        """Whether `mask` is None or bool `[b|1, 1, q, kv]`, without building a sliding window's dense mask."""
-        if self._mask is None:
-            return True
-        return self._mask.dtype == torch.bool and self._mask.dim() == 4 and self._mask.shape[1] == 1
-
-    def block(self, q0: int, q1: int, kv0: int, kv1: int) -> "AttentionMask":
-        """The mask of receivers [q0, q1) over senders [kv0, kv1) (explicit, so no implicit causal order)."""
-        row_valid = None if self.row_valid is None else self.row_valid[..., q0:q1, :]
-        if self._mask is None and self.window is not None:  # (every layer's heads attend over the same blocks)
-            key = (q0, q1, kv0, kv1)
-            if key not in self._window_blocks:
-                self._window_blocks[key] = self._from_window(*key)
-            return AttentionMask(self._window_blocks[key], row_valid, False)
-        return AttentionMask(self.mask[..., q0:q1, kv0:kv1], row_valid, False)
+        """Whether `mask` is None or bool `[b|1, 1, q, kv]` (without building a window's dense mask)."""
+        return self.mask is None or (self.mask.dtype == torch.bool and self.mask.dim() == 4
+                                     and self.mask.shape[1] == 1)
 
     def dense(self, q_len: int, kv_len: int, device, start: int = 0, end: int | None = None, offset=None):
         """Receivers [start, end) as an explicit mask, bool or additive `[b|1, 1, m, kv]`, or None when nothing is
         masked (rules 1 and 2; `offset` as `receiver_offset`)."""
-        end = q_len if end is None else end
-        if self._mask is None and self.window is not None:
-            return self._from_window(start, end, 0, kv_len)
         if self.mask is not None:
-            return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:end, :]
+            return self.mask if self.mask.shape[-2] == 1 else self.mask[..., start:q_len if end is None else end, :]
         if not self.is_causal:
             return None
         return causal_order(q_len, kv_len, device, offset, start, end)
 
 
-# receivers per block; blocks are used when they skip at least this share of plain (causal or full) attention
-RECEIVER_BLOCK = 256
-MIN_SKIPPED_SHARE = 0.25
+@replaceable("receiver_blocks")
+def find_receiver_blocks(allowed: torch.Tensor, is_causal: bool, min_blocks: int = 1) -> tuple | None:
+    """Receiver blocks of a bool mask `[b|1, 1, q, kv]` for the plan to attend block by block, `((q0, q1, kv0, kv1),
+    ...)` with the senders any receiver of each block may see (at least `min_blocks` blocks), or None: the reference
+    attends over whole masks; `import dat_hf` installs the finder (`dat_hf/kernels/receiver_blocks.py`)."""
+    return None
 
 
-def _receiver_blocks(allowed: torch.Tensor, is_causal: bool) -> tuple | None:
-    """bool `[b|1, 1, q, kv]` -> ((q0, q1, kv0, kv1), ...) per `RECEIVER_BLOCK` receivers, or None when that
-    would not skip `MIN_SKIPPED_SHARE` of the work."""
-    q_len, kv_len = allowed.shape[-2:]
-    if torch.compiler.is_compiling() or not q_len or not kv_len:
-        return None
-    size = RECEIVER_BLOCK if q_len >= 2 * RECEIVER_BLOCK else q_len
-    rows = allowed.any(0)[0]  # [q, kv]: the union over the batch
-    columns = torch.nn.functional.pad(rows, (0, 0, 0, -q_len % size)).view(-1, size, kv_len).any(1)  # [blocks, kv]
-    first = columns.int().argmax(-1)
-    last = kv_len - columns.flip(-1).int().argmax(-1)
-    blocks = [(q0, min(q_len, q0 + size), lo, hi)
-              for q0, lo, hi in zip(range(0, q_len, size), first.tolist(), last.tolist())]
-    return _if_skipping_enough(blocks, q_len, kv_len, is_causal)
-
-
-def _if_skipping_enough(blocks, q_len: int, kv_len: int, is_causal: bool) -> tuple | None:
-    """`blocks` as a tuple if they skip at least `MIN_SKIPPED_SHARE` of plain (causal or full) attention, else None."""
-    pairs = sum((q1 - q0) * (hi - lo) for q0, q1, lo, hi in blocks)
-    plain = q_len * kv_len - (q_len * (q_len - 1) // 2 if is_causal else 0)
-    return tuple(blocks) if pairs <= (1 - MIN_SKIPPED_SHARE) * plain else None
+@replaceable("long_window_mask")
+def long_window_mask(previous: int, two_sided: bool, inputs_embeds, attention_mask,
+                     position_ids) -> AttentionMask | None:
+    """A long sliding window of `previous` tokens (each side when `two_sided`) over a forward's own tokens (none
+    cached) as an `AttentionMask` that builds no dense `[q, kv]` mask, or None: the reference has Transformers'
+    builders make the dense mask; `import dat_hf` installs one (`dat_hf/kernels/receiver_blocks.py`)."""
+    return None
 
 
 def transformers_window(previous: int, two_sided: bool) -> int:
@@ -204,86 +136,11 @@ def transformers_window(previous: int, two_sided: bool) -> int:
     return previous if two_sided else previous + 1
 
 
-class SlidingWindow:
-    """A window of p = `previous` tokens (`|i - j| <= p` when two-sided) over `length` tokens, no cache, optional
-    padding `[b, length]`: its blocks, receiver blocks and isolated receivers in O(n * window), no `n x n` mask."""
-
-    def __init__(self, previous: int, two_sided: bool, padding: torch.Tensor | None, length: int, device):
-        self.previous, self.two_sided, self.padding = previous, two_sided, padding
-        self.length, self.device = length, device
-        make = sliding_window_bidirectional_mask_function if two_sided else sliding_window_causal_mask_function
-        self.function = make(transformers_window(previous, two_sided))
-
-    def to(self, device, non_blocking: bool = False) -> "SlidingWindow":
-        """The same window with its padding mask on `device`."""
-        padding = None if self.padding is None else self.padding.to(device, non_blocking=non_blocking)
-        return SlidingWindow(self.previous, self.two_sided, padding, self.length, device)
-
-    def senders(self, q0: int, q1: int) -> tuple[int, int]:
-        """The range [kv0, kv1) of senders that receivers [q0, q1) may see (before padding)."""
-        if self.two_sided:
-            return max(0, q0 - self.previous), min(self.length, q1 + self.previous)
-        return max(0, q0 - self.previous), min(self.length, q1)
-
-    def allowed(self, q0: int, q1: int, kv0: int, kv1: int, row_valid=None) -> torch.Tensor:
-        """bool `[b|1, 1, q1 - q0, kv1 - kv0]`; rows False in `row_valid` `[b, 1, q1 - q0, 1]` are opened."""
-        q = torch.arange(q0, q1, device=self.device)[:, None]
-        kv = torch.arange(kv0, kv1, device=self.device)[None, :]
-        allowed = self.function(None, None, q, kv)[None, None]
-        if self.padding is not None:
-            allowed = allowed & self.padding[:, None, None, kv0:kv1]
-        return allowed if row_valid is None else allowed | ~row_valid
-
-    def receiver_blocks(self) -> tuple | None:
-        """As `_receiver_blocks` of the dense mask, from index arithmetic."""
-        blocks = []
-        present = None if self.padding is None else self.padding.any(0).nonzero().flatten().tolist()
-        for q0 in range(0, self.length, RECEIVER_BLOCK):
-            q1 = min(self.length, q0 + RECEIVER_BLOCK)
-            lo, hi = self.senders(q0, q1)
-            if present is not None:  # narrowed to the range's first and last token present in some row
-                first, last = bisect.bisect_left(present, lo), bisect.bisect_left(present, hi) - 1
-                if first <= last:
-                    lo, hi = present[first], present[last] + 1
-            blocks.append((q0, q1, lo, hi))
-        return _if_skipping_enough(blocks, self.length, self.length, not self.two_sided)
-
-    def row_valid(self) -> torch.Tensor | None:
-        """bool `[b, 1, q, 1]`: receivers with at least one unpadded sender in their window; None if all have one."""
-        if self.padding is None:
-            return None
-        seen = torch.nn.functional.pad(self.padding.long().cumsum(-1), (1, 0))  # [b, kv + 1]: tokens before index
-        i = torch.arange(self.length, device=self.device)
-        if self.two_sided:
-            lo, hi = (i - self.previous).clamp(min=0), (i + self.previous + 1).clamp(max=self.length)
-        else:
-            lo, hi = (i - self.previous).clamp(min=0), i + 1
-        valid = (seen[:, hi] - seen[:, lo] > 0)[:, None, :, None]
-        return None if bool(valid.all()) else valid
-
-
-def _sliding_window_without_dense_mask(previous: int, two_sided: bool, inputs_embeds, attention_mask, cache,
-                                       position_ids) -> AttentionMask | None:
-    """A long window without cache content as a `SlidingWindow`, or None where Transformers' builder must decide
-    (cached tokens, packed sequences, a 4-D mask, `torch.compile`)."""
-    q_len = inputs_embeds.shape[1]
-    if q_len < 2 * RECEIVER_BLOCK or torch.compiler.is_compiling():
-        return None
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != q_len):
-        return None
-    if cache is not None and (getattr(cache, "is_compileable", False) or cache.get_seq_length() > 0):
-        return None
-    if position_ids is not None and attention_mask is None and cache is None and not two_sided:
-        return None  # (Transformers reads packed sequences from the positions)
-    window_mask = SlidingWindow(previous, two_sided, attention_mask, q_len, inputs_embeds.device)
-    blocks = window_mask.receiver_blocks()
-    if blocks is None:
-        return None
-    return AttentionMask(None, window_mask.row_valid(), not two_sided, receiver_blocks=blocks, window=window_mask)
-
-
 def with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=None,
-                       receiver_blocks: bool = True) -> AttentionMask:
+                      min_blocks: int | None = 1) -> AttentionMask:
+    """A built mask (None, bool or additive `[b|1, 1, q, kv]`) as an `AttentionMask`: isolated receivers' rows
+    opened and marked (rule 4), a tensor given as the BlockMask converted, and the receiver blocks of a bool mask
+    looked for when it may have at least `min_blocks` of them (None: not looked for)."""
     if mask is None or not isinstance(mask, torch.Tensor):
         return AttentionMask(None, None, is_causal, block_mask)
     allowed = mask if mask.dtype == torch.bool else mask == 0
@@ -291,7 +148,8 @@ def with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=Non
     if isinstance(block_mask, torch.Tensor):
         block_mask = _block_mask_of(allowed)
     row_valid = allowed.any(dim=-1, keepdim=True)
-    blocks = _receiver_blocks(allowed, is_causal) if receiver_blocks and mask.dtype == torch.bool else None
+    blocks = (find_receiver_blocks(allowed, is_causal, min_blocks) if min_blocks is not None and mask.dtype == torch.bool
+              else None)
     if not torch.compiler.is_compiling() and bool(row_valid.all()):
         return AttentionMask(mask, None, is_causal, block_mask, blocks)
     # open isolated receivers' rows (rule 4)
@@ -383,19 +241,21 @@ def build_attention_mask(
         window = transformers_window(previous, two_sided)
         inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **cache_kwargs(cache),
                       **({} if two_sided else {"position_ids": position_ids}))
-        blockwise = _sliding_window_without_dense_mask(previous, two_sided, inputs_embeds, attention_mask,
-                                                       cache, position_ids) if receiver_blocks else None
+        cached = cache is not None and (getattr(cache, "is_compileable", False) or cache.get_seq_length() > 0)
+        blockwise = (long_window_mask(previous, two_sided, inputs_embeds, attention_mask, position_ids)
+                     if receiver_blocks and not cached else None)
         if blockwise is not None:
             if uses_flex_attention(config):
                 blockwise.block_mask = create(config=MaskBuilderConfig("flex_attention", window), **inputs)
             return blockwise
         dense, block = _both_formats(create, config, window, **inputs)
-        # a one-token step over a ring cache (its sliding layers' `to_slots`, `cache_dat`): keys in slot order
+        # a one-token step over a ring cache (its sliding layers' `to_slots`, `kernels.caches`): keys in slot order
         layer = next((layer for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)), None)
         to_slots = getattr(layer, "to_slots", None)
         if to_slots is not None and dense is not None and (in_slots := to_slots(dense)) is not dense:
             dense, block = in_slots, None if block is None else in_slots
-        return with_row_validity(dense, is_causal=ordered, block_mask=block, receiver_blocks=receiver_blocks)
+        return with_row_validity(dense, is_causal=ordered, block_mask=block,
+                                 min_blocks=1 if receiver_blocks else None)
     and_fn = mask_function_of(entry, config, inputs_embeds.device, attention_mask=attention_mask,
                               graph_adjacency=graph_adjacency)
     if ordered:
@@ -405,7 +265,8 @@ def build_attention_mask(
         masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
                               attention_mask=attention_mask, **cache_kwargs(cache),
                               and_mask_function=and_fn)
-    return with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1], receiver_blocks=receiver_blocks)
+    return with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1],
+                             min_blocks=1 if receiver_blocks else None)
 
 
 def build_cross_attention_mask(config, inputs_embeds, encoder_hidden_states, encoder_attention_mask) -> AttentionMask:
@@ -447,5 +308,6 @@ def build_masks(biases, config, inputs_embeds, attention_mask, cache=None, posit
     }
 
 
-__all__ = ["AttentionMask", "SlidingWindow", "build_attention_mask", "build_cross_attention_mask",
-           "build_masks", "causal_order", "prebuildable", "prebuilt_masks", "with_row_validity"]
+__all__ = ["AttentionMask", "build_attention_mask", "build_cross_attention_mask",
+           "build_masks", "causal_order", "prebuildable", "prebuilt_masks", "find_receiver_blocks",
+           "long_window_mask", "with_row_validity"]

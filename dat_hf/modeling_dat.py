@@ -40,7 +40,7 @@ from .cache_dat import (PagedCache, continuous_batching_limits, open_cache, page
                         self_attention_cache)
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import check_inputs, replaceable
-from .attention_plan import AttentionPlan, gradients_flow
+from .attention_plan import gradients_flow, plan_attention
 from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .tensor_parallel_dat import applicable_rules, use_local_heads
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
@@ -219,16 +219,7 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     inputs = (masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds), model.training,
               [sensory for sensory, _ in layer_biases], [relational for _, relational in layer_biases])
     per_request = isinstance(cache, PagedCache) and cache.decoding
-    # a decoding step's masks are implicit (causal order): the last such step's plan serves again (not while tracing)
-    key = AttentionPlan.reuse_key(*inputs, per_request)
-    if key is None:
-        return layer_biases, AttentionPlan.build(*inputs, per_request=per_request)
-    last = model.__dict__.get("_last_attention_plan")
-    if last is not None and last[0] == key:
-        return layer_biases, last[1].reused()
-    plan = AttentionPlan.build(*inputs, per_request=per_request)
-    model.__dict__["_last_attention_plan"] = (key, plan)
-    return layer_biases, plan
+    return layer_biases, plan_attention(model, *inputs, per_request=per_request)
 
 
 def starts_cache(model, use_cache, cache) -> bool:
@@ -429,23 +420,13 @@ class DATPreTrainedModel(PreTrainedModel):
         SAVE_LOAD_HOOKS["build"](cls, args)  # (with dat_hf: the config is checked against the checkpoint being loaded)
         return super().__new__(cls)
 
-    # trf-ignore: TRF018 (every parameter of the family is initialised here; nothing is left to the base class)
     @torch.no_grad()
     def _init_weights(self, module):
+        super()._init_weights(module)  # Transformers' own: linears, embeddings (std `initializer_range`), norms
         std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
+        if getattr(module, "residual_init", False):
             # projections into the residual stream are scaled down with depth (GPT-2)
-            scale = (2 * self.config.num_hidden_layers) ** -0.5 if getattr(module, "residual_init", False) else 1.0
-            init.normal_(module.weight, mean=0.0, std=std * scale)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.LayerNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, DATRMSNorm):
-            init.ones_(module.weight)
+            init.normal_(module.weight, mean=0.0, std=std * (2 * self.config.num_hidden_layers) ** -0.5)
         elif isinstance(module, RelationalAttention):
             init.normal_(module.relation_proj, mean=0.0, std=std)
         elif isinstance(module, SymbolicAttention):

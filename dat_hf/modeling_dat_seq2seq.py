@@ -238,8 +238,8 @@ class DATCrossAttention(nn.Module):
                         ([("relational", "q_rel_proj")], relation_width)]
             source += [([("relational", "k_attn_proj")], rel.num_kv_heads * hd),
                        ([("relational", relation_keys)], relation_width)]
-        self.query_projections = FusedProjections.plan(sen, rel, queries)
-        self.source_projections = FusedProjections.plan(sen, rel, source)
+        self.query_projections = FusedProjections.plan(queries)
+        self.source_projections = FusedProjections.plan(source)
 
     def _project_queries(self, hidden_states):
         """Target queries (one matrix product): sensory `[b, h_s, n, d_h]`, relational `[b, h_r, n, d_h]`, relation

@@ -100,7 +100,7 @@ def mask_function_of(bias: RelationalBias, config, device, **inputs) -> Callable
 def pair_mask(function: Callable, q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
     """A mask function over receivers at `q_positions` `[m]` and senders at `kv_positions` `[n]` (batch and head 0),
     evaluated per pair as Transformers' mask builders do (under `vmap`) -> `[m, n]`."""
-    zero = torch.zeros((), dtype=torch.long, device=q_positions.device)
+    zero = q_positions.new_zeros((), dtype=torch.long)
     over_senders = torch.vmap(lambda q, kv: function(zero, zero, q, kv), in_dims=(None, 0))
     return torch.vmap(over_senders, in_dims=(0, None))(q_positions, kv_positions)
 
@@ -165,7 +165,7 @@ def check_bias_field(config, field: str, value, num_layers: int, layers_field: s
         raise ValueError(f"`{field}` has {len(value)} entries but `{layers_field}` is {num_layers}.")
     known = self_attention_biases()
     for name in value if isinstance(value, list) else [value]:
-        if not isinstance(name, str) or name not in known:
+        if name not in known:
             raise ValueError(f"`{field}` entries must be in {known}, got {name!r}.")
         bias = RELATIONAL_BIASES[name]
         if decoder and not bias.decoder:
@@ -178,23 +178,18 @@ def check_bias_field(config, field: str, value, num_layers: int, layers_field: s
         if bias.config_fields and all(getattr(config, item, None) is None for item in bias.config_fields):
             raise ValueError(f"`{field}`={name!r} needs " + " or ".join(f"`{item}`" for item in bias.config_fields)
                              + " to be set.")
-        if bias.config_fields and not bias.inputs and bias.mask_function is not None:
+        if bias.config_fields and not bias.inputs:
             check_mask_function(bias, config)  # (registration checked the others)
 
 
 # ---- the mask functions of the built-in biases --------------------------------------------------------------------
-def token_positions(attention_mask):
-    """Each token's index among its row's real tokens `[b, kv]`; None without a 2-D padding mask."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        return None
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def sparse_mask_function(config, device, attention_mask=None, graph_adjacency=None):
     """The `sparse` graph over real-token positions: blocks of `sparse_block_size`, the first `sparse_global_tokens`
     tokens global, plus `sparse_edges`."""
     block, n_global = config.sparse_block_size, config.sparse_global_tokens
-    positions = token_positions(attention_mask)
+    positions = None  # with a 2-D padding mask, each token's index among its row's real tokens `[b, kv]`
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     edges = None
     # CODEPATH: edge list: no released checkpoint (dat_hf's `sparse` bias only).
     if config.sparse_edges:
@@ -209,9 +204,7 @@ def sparse_mask_function(config, device, attention_mask=None, graph_adjacency=No
             q_idx, kv_idx = positions[batch_idx, q_idx.clamp(max=last)], positions[batch_idx, kv_idx.clamp(max=last)]
         allowed = q_idx == kv_idx
         if block is not None:
-            same_block = (torch.div(q_idx, block, rounding_mode="floor")
-                          == torch.div(kv_idx, block, rounding_mode="floor"))
-            allowed = allowed | same_block
+            allowed = allowed | (q_idx // block == kv_idx // block)
         if n_global > 0:
             allowed = allowed | (q_idx < n_global) | (kv_idx < n_global)
         if edges is not None:
@@ -225,11 +218,7 @@ def sparse_mask_function(config, device, attention_mask=None, graph_adjacency=No
 
 def graph_mask_function(config, device, attention_mask=None, graph_adjacency=None):
     """Each input's graph: `graph_adjacency` bool `[b, n, n]` (True = i attends to j)."""
-
-    def graph_fn(batch_idx, head_idx, q_idx, kv_idx):
-        return graph_adjacency[batch_idx, q_idx, kv_idx]
-
-    return graph_fn
+    return lambda batch_idx, head_idx, q_idx, kv_idx: graph_adjacency[batch_idx, q_idx, kv_idx]
 
 
 # ---- the built-in biases (the paper's Table 1) --------------------------------------------------------------------

@@ -13,7 +13,11 @@ from torch.utils.checkpoint import checkpoint
 from .kernel_hooks import replaceable
 
 
-_PLAIN = (nn.Parameter, torch.Tensor)
+@replaceable("symbol_heads")
+def symbol_heads(module, library, dtype):
+    """`module`'s (a `SymbolicAttention`) templates and `library` `[S, d]` as per-head keys and values `[1, h, S, d/h]`
+    in `dtype`; `import dat_hf` installs views kept between decoding steps (`dat_hf/kernels/symbols.py`)."""
+    return module._heads(module.template_features, dtype), module._heads(library, dtype)
 
 
 @replaceable("symbolic_attention")
@@ -22,7 +26,7 @@ def symbolic_attention(module, hidden_states, library):
     `[b, n, d]`, per head `softmax(scale q_h templates_h^T) library_h` with `q = x W_q^T + b_q`."""
     b, n, d = hidden_states.shape
     query = module.q_proj(hidden_states).view(b, n, module.num_heads, -1).transpose(1, 2)  # [b, h, n, d/h]
-    key, value = module.per_head(library, query.dtype)  # [1, h, S, d/h]
+    key, value = symbol_heads(module, library, query.dtype)  # [1, h, S, d/h]
     if b > 1:
         key, value = key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1)
     symbols = nn.functional.scaled_dot_product_attention(query, key, value, scale=module.scale,
@@ -53,20 +57,6 @@ class SymbolicAttention(nn.Module):
 
     def _retrieve(self, hidden_states, library):
         return symbolic_attention(self, hidden_states, library)
-
-    def per_head(self, library, dtype):
-        """Templates and library as per-head keys and values `[1, h, S, d/h]` in `dtype`. Without gradients the views
-        are kept while both parameters keep their storage (a view follows in-place changes): a decoding step reads
-        them once per layer."""
-        templates = self.template_features
-        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or type(templates) not in _PLAIN
-                or type(library) not in _PLAIN or templates.dtype != dtype or library.dtype != dtype):
-            return self._heads(templates, dtype), self._heads(library, dtype)
-        stamp = (templates.data_ptr(), library.data_ptr(), templates.shape, library.shape)  # (views follow changes)
-        cached = self.__dict__.get("_per_head")
-        if cached is None or cached[0] != stamp:
-            cached = self.__dict__["_per_head"] = (stamp, (self._heads(templates, dtype), self._heads(library, dtype)))
-        return cached[1]
 
     def _heads(self, tensor, dtype):
         view = tensor.view(-1, self.num_heads, tensor.shape[-1] // self.num_heads).transpose(0, 1)[None]
@@ -128,4 +118,4 @@ class SymbolRetrievers(nn.Module):
         return retriever(hidden_states, symbol_library=library, position_ids=position_ids)
 
 
-__all__ = ["symbolic_attention", "SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]
+__all__ = ["symbol_heads", "symbolic_attention", "SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]

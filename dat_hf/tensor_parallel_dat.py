@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 try:  # no TP without `transformers.distributed` or a distributed torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ColwiseParallel, TensorParallelLayer
 except ImportError:
@@ -50,49 +49,6 @@ def gather_last_dim(local: torch.Tensor, mesh, width: int) -> torch.Tensor:
     whole = DTensor.from_local(local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=shape,
                                stride=torch.empty(shape, device="meta").stride())
     return whole.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-
-
-def column_sharded(linear) -> bool:
-    """A plain `nn.Linear` (no hooks) whose output features are sharded (`colwise`, `dat_gather`)."""
-    weight = linear.weight
-    return (type(linear) is nn.Linear and DTensor is not None and isinstance(weight, DTensor)
-            and weight.placements == (Shard(0),) and not (linear._forward_hooks or linear._forward_pre_hooks))
-
-
-if DTensor is not None:
-
-    class SumGradients(torch.autograd.Function):
-        """Identity forward; backward all-reduces the gradient (input of column-sharded projections)."""
-
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-            return grad, None
-
-
-def sharded_projections(linears, x: torch.Tensor, local_widths: tuple, widths: tuple) -> list:
-    """Column-sharded projections as one local matmul: x `[..., d]` -> chunks of `local_widths`, those narrower than
-    their `widths` entry gathered whole; one all-reduce of x's gradient for all of them."""
-    mesh = linears[0].weight.device_mesh
-    if torch.is_grad_enabled() and x.requires_grad:
-        x = SumGradients.apply(x, mesh.get_group())
-    weights = [linear.weight.to_local() for linear in linears]
-    bias = None
-    if any(linear.bias is not None for linear in linears):
-        bias = torch.cat([local_tensor(linear.bias) if linear.bias is not None else weight.new_zeros(weight.shape[0])
-                          for linear, weight in zip(linears, weights)])
-    weight = torch.cat(weights)
-    chunks = list(nn.functional.linear(x, weight, bias).split(local_widths, dim=-1))
-    for i, (local, width) in enumerate(zip(local_widths, widths)):
-        if local != width:
-            chunks[i] = gather_last_dim(chunks[i], mesh, width)
-    return chunks
 
 
 if ALL_PARALLEL_STYLES is not None:
@@ -202,6 +158,5 @@ def applicable_rules(model, plan: dict) -> dict:
     return {rule: style for rule, style in plan.items() if rule in names}
 
 
-__all__ = ["GATHER_STYLE", "HEADS_STYLE", "column_sharded", "gather_last_dim", "local_columns", "local_rows",
-           "local_tensor", "localize_heads", "plan_rule", "sharded_projections", "tensor_parallel_slice",
-           "applicable_rules", "use_local_heads"]
+__all__ = ["GATHER_STYLE", "HEADS_STYLE", "gather_last_dim", "local_columns", "local_rows", "local_tensor",
+           "localize_heads", "plan_rule", "tensor_parallel_slice", "applicable_rules", "use_local_heads"]

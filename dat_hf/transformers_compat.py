@@ -13,7 +13,6 @@
 import dataclasses
 import functools
 import inspect
-import re
 import textwrap
 import warnings
 
@@ -56,9 +55,8 @@ def takes_cache(function):
                 kwargs["cache"] = legacy
         return function(*args, **kwargs)
 
-    doc = function.__doc__ or ""
-    indent = re.match(r"\n*( *)", doc).group(1) or " " * 8
-    wrapper.__doc__ = "\n" + textwrap.indent(CACHE_ARG_DOC, indent) + "\n" + doc.lstrip("\n")
+    # (before the method's own arguments, indented as a method's docstring)
+    wrapper.__doc__ = "\n" + textwrap.indent(CACHE_ARG_DOC, " " * 8) + "\n" + (function.__doc__ or "").lstrip("\n")
     return wrapper
 
 

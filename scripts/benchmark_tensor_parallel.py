@@ -321,7 +321,7 @@ def worker_main(args):
 # ---- where the time goes -----------------------------------------------------------------------------------------
 def module_scope(module):
     """The profiling scope of a module, or None. Not the linears: a hook on them would take the fused projections
-    (one matrix product for a layer's inputs, `sharded_projections` under tensor parallelism) out of the profiled
+    (one matrix product for a layer's inputs, `kernels.tensor_parallel` under tensor parallelism) out of the profiled
     step; their 2-D products (`LINEAR_OPS`) are counted as linears wherever they run."""
     return {"SensoryAttention": "sensory", "LlamaAttention": "sensory", "RelationalAttention": "relational",
             "DualAttention": "dual_attn", "SymbolRetrievers": "symbols"}.get(type(module).__name__)

@@ -38,8 +38,8 @@ from dat_hf import DATConfig  # noqa: E402
 
 
 def set_kernels_aside(monkeypatch, names=None):
-    """No compiled kernel for the replaceable functions `names` (default: every one) in this test: their tables of the
-    one registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
+    """No compiled kernel for the replaceable functions `names` (default: every one, and the faster `cache_layers`) in
+    this test: their tables of the one registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
     from dat_hf import kernel_hooks
 
     for kind, table in kernel_hooks.BACKENDS.kinds.items():

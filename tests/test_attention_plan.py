@@ -9,6 +9,7 @@ from relational_cases import Heads, assert_close, call_backend, make_inputs, ran
 
 import dat_hf.attention_plan as attention_plan
 import dat_hf.masking_dat as masking_dat
+from dat_hf.kernels import plan_reuse
 from dat_hf import DATConfig, DATForCausalLM
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
 
@@ -24,7 +25,7 @@ def tiny(**overrides):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_selection_and_mask_conversion_run_once_per_forward(monkeypatch, biases, attn):
     """A 4-layer forward selects one relational backend and converts each mask once per (bias, head type), however
-    many layers use it; the layer calls ask the `AttentionMask` nothing (no `dense`, `mask`, `block`)."""
+    many layers use it; the layer calls ask the `AttentionMask` nothing (no `dense`, `to`)."""
     model = DATForCausalLM(tiny(attn_implementation=attn, **biases)).eval()
     selections, conversions, asked = [], [], []
     select, convert = attention_plan.select_relational_attention, attention_plan.mask_in_format
@@ -45,7 +46,7 @@ def test_selection_and_mask_conversion_run_once_per_forward(monkeypatch, biases,
 
         monkeypatch.setattr(masking_dat.AttentionMask, name, watched)
 
-    for name in ("dense", "block", "to"):
+    for name in ("dense", "to"):
         watch(name)
     distinct = len(set(model.config.layer_biases()[i][1] for i in range(4)))
     with torch.no_grad():
@@ -94,7 +95,7 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
 
     reused, planned = decode(5)
     assert planned == 1
-    monkeypatch.setattr(attention_plan.AttentionPlan, "reuse_key", staticmethod(lambda *args: None))
+    monkeypatch.setattr(plan_reuse, "reuse_key", lambda *args: None)  # (remote code alone plans every step)
     every_step, planned = decode(5)
     assert planned == 5
     torch.testing.assert_close(reused, every_step, rtol=0, atol=0)

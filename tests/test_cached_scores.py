@@ -9,15 +9,20 @@ before dat_hf followed its `cache` argument) often picks the same argmax. So eve
 - compares the logits that generation produced at every step (`output_logits`; beam search: each sequence's summed
   log-probabilities) with one forward over the whole generated sequence without a cache, within `ATOL`.
 
-Causal LM: dynamic, static and sliding-window ring caches, left padding, beam search, assisted decoding; the seq2seq
-decoder: dynamic and static caches.
+Causal LM: dynamic, static and sliding-window ring caches, left padding, beam search, assisted decoding, and the
+remote code's own cache layers (without the faster ones `import dat_hf` installs); the seq2seq decoder: dynamic and
+static caches.
 """
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import set_kernels_aside, tiny_config
+from transformers.cache_utils import DynamicLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
+from dat_hf.cache_dat import DATStaticSlidingWindowLayer
+from dat_hf.kernels.caches import InPlaceCacheLayer, RingSlidingWindowLayer
+from dat_hf.transformers_compat import output_cache
 
 NEW_TOKENS = 8
 ATOL = 1e-4  # float32 logits of magnitude ~10: cached and recomputed sums differ by ~1e-6
@@ -72,6 +77,9 @@ CAUSAL_CASES = {
     "sliding-window-ring": (dict(relational_bias="sliding_window", sliding_window_size=3), True,
                             dict(cache_implementation="static")),
     "sliding-window-dynamic": (dict(relational_bias="sliding_window", sliding_window_size=3), True, dict()),
+    # a ring of 10 slots that the decoding fills, with position-relative symbols (their offsets modulo the ring)
+    "decoding-fills-window": (dict(relational_bias="sliding_window", sliding_window_size=9,
+                                   symbol_retrieval="position_relative"), True, dict(cache_implementation="static")),
 }
 
 
@@ -79,6 +87,33 @@ CAUSAL_CASES = {
 def test_causal_lm_cached_logits_equal_recomputation(name):
     overrides, left_padded, generate_kwargs = CAUSAL_CASES[name]
     assert_generation_matches_recomputation(causal_lm(**overrides), *prompt_and_mask(left_padded), **generate_kwargs)
+
+
+# the faster layer `import dat_hf` installs -> the remote code's own (Transformers' `DynamicLayer`, the window rolled)
+REMOTE_CODE_CASES = {
+    "dynamic-left-padded": (InPlaceCacheLayer, DynamicLayer),
+    "sliding-window-ring": (RingSlidingWindowLayer, DATStaticSlidingWindowLayer),  # the prompt fills the window
+    "decoding-fills-window": (RingSlidingWindowLayer, DATStaticSlidingWindowLayer),
+}
+
+
+@pytest.mark.parametrize("name", list(REMOTE_CODE_CASES))
+def test_remote_code_cache_layers_give_the_scores_of_the_installed_ones(name, monkeypatch):
+    """Without the cache layers `import dat_hf` installs (`cache_dat.CACHE_LAYERS` emptied: a model's remote code
+    alone), generation keeps Transformers' layers and gives the tokens and logits of the installed ones, which equal
+    recomputation."""
+    overrides, left_padded, generate_kwargs = CAUSAL_CASES[name]
+    model, (prompt, mask) = causal_lm(**overrides), prompt_and_mask(left_padded)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                  pad_token_id=0, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    installed = model.generate(prompt, **kwargs)
+    set_kernels_aside(monkeypatch, ["cache_layers"])
+    remote = model.generate(prompt, **kwargs)
+    for out, layer_class in zip((installed, remote), REMOTE_CODE_CASES[name]):
+        assert all(type(layer) is layer_class for layer in output_cache(out).layers), layer_class
+    assert torch.equal(remote.sequences, installed.sequences)
+    torch.testing.assert_close(torch.stack(remote.logits), torch.stack(installed.logits), atol=ATOL, rtol=0)
+    assert_generation_matches_recomputation(model, prompt, mask, **generate_kwargs)
 
 
 def test_assisted_decoding_logits_equal_recomputation():

@@ -18,11 +18,14 @@ from test_cached_scores import DEPENDENCE, INIT, recomputed_logits
 from test_relational_biases import registered
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+import dat_hf.cache_dat as cache_dat
 import dat_hf.dual_attention as da
 import dat_hf.kernels.cpu as kernel
+import dat_hf.kernels.projections as projections
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
-from dat_hf.cache_dat import PAGED_ARGUMENTS, paged_layout
+from dat_hf.cache_dat import PAGED_ARGUMENTS
+from dat_hf.kernels.paged_views import paged_layout, paged_views_without_copy
 from dat_hf.relational_biases import RelationalBias
 from dat_hf.transformers_compat import PAGED_CACHE_UPDATE, paged_cache_limits
 
@@ -224,7 +227,7 @@ def test_decoding_steps_attend_one_receiver_per_request(monkeypatch):
     outputs = generate_batch(model, inputs, generation_config(), max_batch_tokens=256)
     layers = model.config.num_hidden_layers
     # one prefill step for all four, of 11 rows: the relational heads' packed op, the sensory heads' rows op
-    assert sum(map(len, inputs)) < da.FUSED_PROJECTION_MIN_ROWS
+    assert sum(map(len, inputs)) < projections.FUSED_PROJECTION_MIN_ROWS
     assert calls == {"decode": layers * (NEW_TOKENS - 1), "decode without relations": layers * NEW_TOKENS,
                      "packed": layers}
     for prompt, output in zip(inputs, outputs):
@@ -242,7 +245,8 @@ def test_packed_cache_fits_the_paged_pages():
         width = sum(packed.key_heads) * config.head_dim + sum(packed.value_widths)
         assert config.packed_cache_width == width, overrides
         assert 0 <= 2 * config.num_key_value_heads * config.head_dim - width < 2 * config.head_dim, overrides
-        # the layout `update_packed` stores: the config's heads, padding to two halves, every part once, in order
+        # the layout `update_packed` stores (as the views without a copy read it): the config's heads, padding to
+        # two halves, every part once, in order
         parts = (sum(packed.key_heads) * config.head_dim, *packed.value_widths)
         heads, padding, pieces = paged_layout(parts, config.head_dim)
         half = heads * config.head_dim
@@ -251,6 +255,22 @@ def test_packed_cache_fits_the_paged_pages():
         assert flat == [sum(parts[:i]) for i in range(len(parts))], overrides
         for (h, start, end), part in zip(pieces, parts):
             assert (end - start if h is not None else half - start + end) == part, overrides
+
+
+def test_paged_views_without_copy_equal_the_joined_halves():
+    """The installed read of the paged cache (`kernels.paged_views`: strided views of the pages) gives the tensors of
+    the remote code's reference (`cache_dat.paged_views`: the halves joined), for every layout of the parts."""
+    for overrides in [{}, *CASES.values(), dict(num_sensory_heads=0), dict(num_relational_heads=0),
+                      dict(num_relations=3, relation_dim=5)]:
+        with registered(PARITY):
+            model = model_of(**overrides)
+        config, packed = model.config, model.model.layers[0].dual_attn.packed
+        widths = (sum(packed.key_heads) * config.head_dim, *packed.value_widths)
+        halves = [torch.randn(1, config.num_key_value_heads, 11, config.head_dim) for _ in range(2)]
+        expected, got = cache_dat.paged_views.reference(packed, halves, widths), paged_views_without_copy(
+            packed, halves, widths)
+        for want, have in zip([*expected[0], *expected[1]], [*got[0], *got[1]], strict=True):
+            assert want.shape == have.shape and torch.equal(want, have), overrides
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -27,6 +27,7 @@ from relational_cases import (Heads, assert_close, call_backend, causal_and, cou
 
 import dat_hf.dual_attention as da
 import dat_hf.kernels.cpu as kernel
+import dat_hf.kernels.projections as projections
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import cpu_build
 from dat_hf.kernel_hooks import registered_kernels
@@ -503,7 +504,7 @@ def test_attention_training_takes_the_one_pass_rope(loaded, monkeypatch):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows,d", [(1, 256), (3, 20), (da.FUSED_PROJECTION_MIN_ROWS - 1, 37)])
+@pytest.mark.parametrize("rows,d", [(1, 256), (3, 20), (projections.FUSED_PROJECTION_MIN_ROWS - 1, 37)])
 def test_multi_linear_op_matches_the_projections_in_fp64(rows, d, loaded):
     """One op for a decoding step's input projections gives `cat([x W_i^T])` computed in float64, for widths that are
     not multiples of its 4-row groups and inputs that are not multiples of the vector length; two threads give the
@@ -549,7 +550,7 @@ def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
     """Without gradients, a float32 decoding step of dual attention projects its input with the registered op (once
     per layer), and its logits match the reference's one matrix product per projection; wrapped or biased projections,
     long inputs and inputs that need gradients keep the reference."""
-    assert registered_kernels("fused_linear") == [kernel.cpu_fused_linear]
+    assert set(registered_kernels("fused_linear")) == {kernel.cpu_fused_linear, projections.concatenated_linear}
     torch.manual_seed(0)
     config = tiny_config()
     model = DATForCausalLM(config).eval()
@@ -561,7 +562,7 @@ def test_decoding_projections_take_the_one_op(loaded, monkeypatch):
     x = torch.randn(1, 1, config.hidden_size)
     with torch.no_grad():
         assert kernel.accepts_fused_linear(linears, x)
-        assert not kernel.accepts_fused_linear(linears, torch.randn(da.FUSED_PROJECTION_MIN_ROWS, config.hidden_size))
+        assert not kernel.accepts_fused_linear(linears, torch.randn(projections.FUSED_PROJECTION_MIN_ROWS, config.hidden_size))
         assert not kernel.accepts_fused_linear(linears, x.double())
         assert not kernel.accepts_fused_linear([*linears, nn.Linear(config.hidden_size, 3)], x)  # a bias
         hook = linears[0].register_forward_hook(lambda *args: None)
@@ -831,6 +832,6 @@ def test_sensory_rows_op_matches_sdpa(rows, kv, heads, kv_heads, d, loaded):
         assert not accepts(Module, query, key, value, mask, scaling=0.2, dropout=0.1)
         assert not accepts(Module, query.expand(2, -1, -1, -1), key.expand(2, -1, -1, -1),
                            value.expand(2, -1, -1, -1), mask.expand(2, -1, -1, -1), scaling=0.2)  # a batch
-        long = torch.randn(1, heads, da.FUSED_PROJECTION_MIN_ROWS, d)
+        long = torch.randn(1, heads, projections.FUSED_PROJECTION_MIN_ROWS, d)
         assert not accepts(Module, long, key, value, mask[:, :, :1].expand(1, 1, long.shape[2], kv), scaling=0.2)
     assert not accepts(Module, query, key, value, mask, scaling=0.2)  # gradients

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 from torch import nn
 
-import dat_hf.dual_attention as da
+import dat_hf.kernels.projections as projections
 from dat_hf import DATForCausalLM
 from dat_hf.dual_attention import fused_linear
 
@@ -54,11 +54,20 @@ def test_fused_linear_runs_wrapped_and_short_inputs_one_by_one():
 
     torch.cat = counting_cat
     try:
-        fused_linear(linears, torch.randn(da.FUSED_PROJECTION_MIN_ROWS - 1, 8))  # short: outputs concatenated
-        fused_linear(linears, torch.randn(da.FUSED_PROJECTION_MIN_ROWS, 8))  # long enough: weights concatenated
+        fused_linear(linears, torch.randn(projections.FUSED_PROJECTION_MIN_ROWS - 1, 8))  # short: outputs concatenated
+        fused_linear(linears, torch.randn(projections.FUSED_PROJECTION_MIN_ROWS, 8))  # long enough: weights concatenated
     finally:
         torch.cat = original_cat
     assert weight_cat == [False, True]
+
+
+def test_the_reference_runs_the_projections_one_by_one():
+    """Remote code alone (`fused_linear`'s reference): the projections one by one, outputs concatenated, the values
+    of the installed one-matrix-product kernel."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(8, 5), nn.Linear(8, 3, bias=False)]
+    x = torch.randn(3, 40, 8)
+    assert torch.allclose(fused_linear.reference(linears, x), projections.concatenated_linear(linears, x), atol=1e-6)
 
 
 def assert_fused_equals_one_by_one(model, inputs, monkeypatch):
@@ -77,7 +86,7 @@ def assert_fused_equals_one_by_one(model, inputs, monkeypatch):
     try:
         fused_logits, fused_grads = run()
         fused_calls = len(linear_calls)
-        monkeypatch.setattr(da, "FUSED_PROJECTION_MIN_ROWS", 10**9)
+        monkeypatch.setattr(projections, "FUSED_PROJECTION_MIN_ROWS", 10**9)
         linear_calls.clear()
         logits, grads = run()
     finally:

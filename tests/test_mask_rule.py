@@ -156,7 +156,7 @@ def sensory_inputs(name, q_len=Q_LEN, kv_len=KV_LEN):
 def with_graph(graph, flex):
     """The graph as the producers hand it, with `is_causal=True` (a decoder's bias): `with_row_validity`, which also
     builds its `BlockMask` for FlexAttention heads."""
-    return with_row_validity(graph, is_causal=True, block_mask=graph if flex else None, receiver_blocks=False)
+    return with_row_validity(graph, is_causal=True, block_mask=graph if flex else None, min_blocks=None)
 
 
 # ---- (a) a given mask alone decides --------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_plan_trims_an_empty_static_cache(backend):
     _, query, key, value, _ = sensory_inputs("eager", q_len, kv_len)
     key[:, :, q_len:], value[:, :, q_len:] = 1e3, 1e3
     with torch.no_grad():
-        got = PlannedSensory(mask, backend, function, mask_format, True)(module, query, key, value)
+        got = PlannedSensory(mask, backend, function, mask_format)(module, query, key, value)
     first_slots = lower_right(q_len, kv_len, 0)[None]
     assert_close(got, slow_sensory(query, key, value, first_slots), atol=1e-10, what=f"sensory {backend}, trimmed")
 

@@ -27,7 +27,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import set_torch_config
+from conftest import set_kernels_aside, set_torch_config
 from torch._inductor.exc import CppCompileError, InductorError
 from torch.nn.attention.flex_attention import create_mask
 
@@ -534,7 +534,7 @@ def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, enco
     """A long sliding window attends block by block from index arithmetic, never forming the n x n mask:
     the same outputs as through Transformers' dense mask, left-padded, in decoders and encoders; and in a decoder, a
     long prompt run into an empty cache (that path) then continued token by token matches the full forward."""
-    import dat_hf.masking_dat as masking_dat
+    from dat_hf.kernel_hooks import BACKENDS
 
     model = make_model(encoder=encoder, seed=3, relational_bias=bias, sliding_window_size=20,
                        max_position_embeddings=2048, symbol_retrieval="symbolic_attention")
@@ -542,14 +542,14 @@ def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, enco
     x = embeds(7, n)
     mask = torch.ones(2, n, dtype=torch.long)
     mask[1, :5] = 0
-    built, without_dense = [], masking_dat._sliding_window_without_dense_mask
-    monkeypatch.setattr(masking_dat, "_sliding_window_without_dense_mask",
-                        lambda *args, **kwargs: built.append(without_dense(*args, **kwargs)) or built[-1])
+    built, ((name, installed),) = [], BACKENDS.of("long_window_mask").items()  # (what `import dat_hf` installs)
+    monkeypatch.setitem(BACKENDS.of("long_window_mask"), name, installed._replace(
+        function=lambda *args, **kwargs: built.append(installed.function(*args, **kwargs)) or built[-1]))
     with torch.no_grad():
         blockwise = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
         assert built and built[0].window is not None and built[0].receiver_blocks is not None
         with monkeypatch.context() as patch:
-            patch.setattr(masking_dat, "_sliding_window_without_dense_mask", lambda *args, **kwargs: None)
+            set_kernels_aside(patch, ["long_window_mask"])  # (Transformers' dense mask)
             dense = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
         assert max_diff(blockwise[0], dense[0]) < ATOL and max_diff(blockwise[1, 5:], dense[1, 5:]) < ATOL
         if encoder:
@@ -861,7 +861,8 @@ def test_masks_follow_a_layer_to_its_device(case):
     assert out.device.type == "meta" and out.shape == embeds.shape
     for mask in masks:
         moved = mask.to("meta")
-        for tensor in (moved._mask, moved.row_valid, None if moved.window is None else moved.window.padding):
+        window = getattr(moved, "window", None)
+        for tensor in (moved.mask, moved.row_valid, None if window is None else window.padding):
             assert tensor is None or tensor.device.type == "meta"
 
 

@@ -15,12 +15,13 @@
   generation without a cache (as do the dynamic ones) whether the prompt or the decoding fills the window, with left
   padding, GQA, position-relative symbols and layers of both kinds, and beam search's scores; one compiled graph
   serves every step, also across the step that fills the window; the seq2seq decoder's self-attention likewise, its
-  cross-attention caches keeping the whole source.
+  cross-attention caches keeping the whole source. (The static ones are the ring `import dat_hf` installs; each kind of
+  update is also checked on the remote code's own layers, which roll the window.)
 """
 
 import pytest
 import torch
-from conftest import set_torch_config, tiny_config
+from conftest import set_kernels_aside, set_torch_config, tiny_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import get_first_incompatible_cudagraph_node
 from transformers import CompileConfig, StaticCache
@@ -28,6 +29,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
 from dat_hf.cache_dat import DATStaticLayer, DATStaticSlidingWindowLayer
+from dat_hf.kernels.caches import RingSlidingWindowLayer
 from dat_hf.transformers_compat import output_cache
 
 LM_CASES = {
@@ -241,7 +243,7 @@ def test_sliding_window_caches_give_the_logits_of_generation_without_a_cache(nam
     model, prompt, mask = tiny_model_and_prompt(*SLIDING_CASES[name])
     expected = greedy(model, prompt, mask, use_cache=False)
     window = model.config.sliding_window
-    for implementation, sliding_layer in (("static", DATStaticSlidingWindowLayer),
+    for implementation, sliding_layer in (("static", RingSlidingWindowLayer),
                                           ("dynamic", DynamicSlidingWindowLayer)):
         got = greedy(model, prompt, mask, cache_implementation=implementation)
         assert_same_generation(got, expected)
@@ -263,10 +265,14 @@ def test_beam_search_with_sliding_window_caches():
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("ring", [True, False])
 @pytest.mark.parametrize("symbols", ["symbolic_attention", "position_relative"])
-def test_chunks_into_a_sliding_window_static_cache(symbols):
-    """Every kind of update of `DATStaticSlidingWindowLayer` (6 slots): one token before and once the window is full,
-    several tokens that fit, that fill it, and after it is full; each chunk's logits are the full forward's."""
+def test_chunks_into_a_sliding_window_static_cache(symbols, ring, monkeypatch):
+    """Every kind of update of a sliding-window static layer (6 slots), the ring `import dat_hf` installs or (remote
+    code alone) Transformers' window rolled oldest first: one token before and once the window is full, several tokens
+    that fit, that fill it, and after it is full; each chunk's logits are the full forward's."""
+    if not ring:
+        set_kernels_aside(monkeypatch, ["cache_layers"])
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=5,
                                        symbol_retrieval=symbols)).eval()
@@ -279,7 +285,8 @@ def test_chunks_into_a_sliding_window_static_cache(symbols):
             positions = torch.arange(start, start + size)[None].expand(2, -1)
             logits.append(model(tokens[:, start:start + size], cache=cache, position_ids=positions).logits)
             start += size
-    assert all(isinstance(layer, DATStaticSlidingWindowLayer) and layer.keys.shape[-2] == 6 for layer in cache.layers)
+    layer_class = RingSlidingWindowLayer if ring else DATStaticSlidingWindowLayer
+    assert all(type(layer) is layer_class and layer.keys.shape[-2] == 6 for layer in cache.layers)
     torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
     cache.reset()  # and again from the start
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """Tensor parallelism (`from_pretrained(..., tp_plan="auto")`, `dat_hf/tensor_parallel_dat.py`): the plans of every
 family, and 2 processes (`torchrun`, gloo, CPU) against one: logits, a training step (loss, every gradient, SGD),
-greedy `generate` with the cache, `save_pretrained` of the sharded model reloaded in one process."""
+greedy `generate` with the cache, `save_pretrained` of the sharded model reloaded in one process; the remote code's
+path (each projection through its TP style) against the installed kernel's (one local product per layer's input)."""
 
 import json
 import sys
@@ -81,6 +82,29 @@ def test_plan_names_every_layer_projection_and_nothing_else(name):
     assert styles["o_proj"] == styles["down_proj"] == "rowwise"
 
 
+def test_installed_projection_kernel_splits_a_rank_rows_by_part():
+    """`dat_hf.kernels.tensor_parallel`, the kernel of `project_fused` (the 2-process test checks its values against
+    the reference's): taken for sharded projections only; one rank's local product split by part, from the widths the
+    reference's outputs have (colwise: the rank's heads; `dat_gather`: the whole relations, 3 x 5 over 2 ranks)."""
+    from dat_hf.dual_attention import head_linears
+    from dat_hf.kernel_hooks import registered_kernels
+    from dat_hf.kernels import tensor_parallel
+
+    assert registered_kernels("project_fused") == [tensor_parallel.sharded_projections]
+    attn = DATForCausalLM(VARIANTS["uneven-biases-postnorm"][1]()).model.layers[0].dual_attn
+    sen, rel = attn.sensory, attn.relational
+    assert not tensor_parallel.accepts_sharded(attn.input_projections, sen, rel, None)
+    for heads in (sen, rel):  # rank 0 of 2 (`use_local_heads`)
+        heads.num_heads //= 2
+        heads.num_kv_heads //= 2
+    attn.plan_projections()
+    fused = attn.input_projections
+    linears = head_linears(sen, rel, fused.projections)
+    weights = [torch.empty(-(-linear.out_features // 2), 1) for linear in linears]  # rank 0's rows
+    assert fused.widths == (4 * 16, 16, 15, 15)
+    assert tensor_parallel.local_widths(fused, sen, rel, linears, weights) == [4 * 16, 16, 8, 8]
+
+
 def test_continuous_batching_refuses_a_tensor_parallel_model():
     model = DATForCausalLM(VARIANTS["default"][1]())
     model._tp_size = 2
@@ -146,6 +170,8 @@ def test_two_processes_match_one(tmp_path):
             assert 0 < result["sharded_weights"] < result["projection_weights"], result
         else:
             assert result["sharded_weights"] == result["projection_weights"] > 0, result
+            assert result["kernel_calls"] > 0, result  # (so the remote code's path below is another path)
+        assert max(result["remote_logits_diff"], result["remote_loss_diff"], result["remote_grad_diff"]) < 1e-5, result
         assert result["logits_diff"] < 1e-5, result
         assert result["loss_diff"] < 1e-5 and result["grad_diff"] < 1e-5 and not result["grads_missing"], result
         assert result["step_logits_moved"] > 1e-2 and result["step_logits_diff"] < 1e-5, result

@@ -28,13 +28,14 @@ from transformers.activations import SiLUActivation
 from transformers.cache_utils import DynamicCache
 
 from .. import dual_attention
-from ..cache_dat import InPlaceCacheLayer
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
 from ..modeling_dat import DATMLP, DATRMSNorm
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from ..relational_attention import relational_output
+from . import projections
 from .autograd import relational_op_autograd
+from .caches import InPlaceCacheLayer
 from .cpu_build import build_extension
 
 _READY = [False]
@@ -254,13 +255,13 @@ def accepts_fused_linear(linears, x) -> bool:
     product per projection) without gradients, float32 on CPU, through plain bias-free linears whose weights are plain
     tensors (not quantized or distributed tensor subclasses). (Checked every decoding step of every layer: one pass.)"""
     if not (x.device.type == "cpu" and x.dtype == torch.float32
-            and x.shape[:-1].numel() < dual_attention.FUSED_PROJECTION_MIN_ROWS and load_cpu_kernel()):
+            and x.shape[:-1].numel() < projections.FUSED_PROJECTION_MIN_ROWS and load_cpu_kernel()):
         return False
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad:
         return False
     for linear in linears:
-        if not dual_attention.is_plain_linear(linear):
+        if not projections.is_plain_linear(linear):
             return False
         parameters = linear._parameters  # (`nn.Module.__getattr__` is slow)
         w = parameters["weight"]
@@ -291,7 +292,7 @@ def accepts_sdpa_rows(module, query, key, value, attention_mask, scaling=None, d
     CPU, without gradients or dropout."""
     return (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 4 and attention_mask.shape[0] == attention_mask.shape[1] == 1
-            and query.shape[0] == 1 and 1 <= query.shape[2] < dual_attention.FUSED_PROJECTION_MIN_ROWS
+            and query.shape[0] == 1 and 1 <= query.shape[2] < projections.FUSED_PROJECTION_MIN_ROWS
             and query.is_cpu and query.dtype == key.dtype == value.dtype == torch.float32
             and key.shape[-1] == value.shape[-1] == query.shape[-1] and dropout == 0 and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and load_cpu_kernel())
@@ -423,7 +424,7 @@ def decoding_step_op(x, in_weights, symbols, symbol_weight, symbol_bias, cos, si
 def _plain_weights(linears, biases: bool) -> bool:
     """Plain, unhooked linears with plain float32 contiguous CPU weights (and biases, when `biases`, else none)."""
     for linear in linears:
-        if not dual_attention.is_plain_linear(linear):
+        if not projections.is_plain_linear(linear):
             return False
         parameters = linear._parameters
         bias = parameters["bias"]

@@ -6,9 +6,9 @@ Registered for the model files' replaceable `activation_down_projection`."""
 import torch
 from torch import nn
 
-from ..dual_attention import is_plain_linear
 from ..kernel_hooks import register_kernel
 from .cpu import swiglu_backward_op, swiglu_op, takes_swiglu_op
+from .projections import is_plain_linear
 
 
 def _hidden(act_fn, gate, up):

@@ -1,7 +1,9 @@
 """Tensor parallelism check, run by `torchrun --nproc_per_node N` (gloo, CPU): for each saved model folder given,
 `from_pretrained(folder, tp_plan="auto")` against the same folder loaded in one process: logits, one training step
 (loss, every gradient, SGD), greedy `generate` with the cache, and `save_pretrained` of the sharded model reloaded in
-one process. Writes `<out>/rank<r>.json` with the measured differences (the test asserts on them).
+one process; and the sharded model's logits, loss and gradients without the installed projection kernel (the path of
+remote code without dat_hf) against those with it. Writes `<out>/rank<r>.json` with the measured differences (the
+test asserts on them).
 
     torchrun --nproc_per_node 2 tests/workers/tp_check.py OUT SPEC [SPEC ...]
 
@@ -10,6 +12,7 @@ model's plan), `FOLDER!` (loading with `tp_plan="auto"` must raise a ValueError:
 `FOLDER|pp` (pipeline parallelism over the ranks instead: logits only).
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +25,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
 from transformers.distributed import DistributedConfig
 
 import dat_hf  # noqa: F401  (registers the Auto classes)
+from dat_hf.kernel_hooks import BACKENDS
 from spec_runner import full, run_specs
 
 AUTO = {"dat": AutoModelForCausalLM, "dat_seq2seq": AutoModelForSeq2SeqLM,
@@ -45,6 +49,24 @@ def projection_weights(model):
     """The layers' projection weights (matrices of their linears, and W_r)."""
     return {name: p for name, p in model.named_parameters()
             if ".layers." in name and (name.endswith("proj.weight") or name.endswith("relation_proj"))}
+
+
+@contextlib.contextmanager
+def projection_kernel(installed: bool):
+    """`project_fused`'s installed kernel (`dat_hf.kernels.tensor_parallel`: one local product for a layer's sharded
+    projections) counting its calls into the list yielded, or set aside (`installed=False`: the path of remote code
+    without dat_hf, each projection through its TP style's forward)."""
+    table, calls = BACKENDS.of("project_fused"), []
+    kernels = dict(table)
+    table.clear()
+    if installed:
+        for name, backend in kernels.items():
+            table[name] = backend._replace(function=lambda *args, run=backend.function: calls.append(1) or run(*args))
+    try:
+        yield calls
+    finally:
+        table.clear()
+        table.update(kernels)
 
 
 def pipeline_check(folder, auto):
@@ -88,20 +110,35 @@ def check(spec):
     forward_inputs = {k: v for k, v in inputs.items() if k != "labels"}
     with torch.no_grad():
         logits_ref, logits_tp = reference(**forward_inputs).logits, sharded(**forward_inputs).logits
+        with projection_kernel(installed=False):  # the remote code's path
+            result["remote_logits_diff"] = (sharded(**forward_inputs).logits - logits_tp).abs().max().item()
     result["logits_diff"] = (logits_ref - logits_tp).abs().max().item()
 
     # one training step: loss, every gradient, an SGD step
     for model in (reference, sharded):
         model.train()
-    loss_ref, loss_tp = reference(**inputs).loss, sharded(**inputs).loss
+    loss_ref = reference(**inputs).loss
     loss_ref.backward()
-    loss_tp.backward()
+    with projection_kernel(installed=True) as calls:
+        loss_tp = sharded(**inputs).loss
+        loss_tp.backward()
+    result["kernel_calls"] = len(calls)
     result["loss_diff"] = abs(loss_ref.item() - loss_tp.item())
     grads_tp = dict(sharded.named_parameters())
     result["grad_diff"] = max((full(grads_tp[name].grad) - p.grad).abs().max().item()
                               for name, p in reference.named_parameters() if p.grad is not None)
     result["grads_missing"] = sorted(name for name, p in reference.named_parameters()
                                      if p.grad is not None and grads_tp[name].grad is None)
+
+    # the remote code's path (the installed projection kernel set aside) against the kernel's: loss, every gradient
+    kernel_grads = {name: full(p.grad) for name, p in sharded.named_parameters() if p.grad is not None}
+    sharded.zero_grad(set_to_none=True)
+    with projection_kernel(installed=False):
+        loss_remote = sharded(**inputs).loss
+        loss_remote.backward()
+    result["remote_loss_diff"] = abs(loss_remote.item() - loss_tp.item())
+    result["remote_grad_diff"] = max((full(grads_tp[name].grad) - grad).abs().max().item()
+                                     for name, grad in kernel_grads.items())
     for model in (reference, sharded):
         torch.optim.SGD(model.parameters(), lr=0.5).step()
         model.eval()
