@@ -148,8 +148,8 @@ def with_row_validity(mask: torch.Tensor | None, is_causal: bool, block_mask=Non
     if isinstance(block_mask, torch.Tensor):
         block_mask = _block_mask_of(allowed)
     row_valid = allowed.any(dim=-1, keepdim=True)
-    blocks = (find_receiver_blocks(allowed, is_causal, min_blocks) if min_blocks is not None and mask.dtype == torch.bool
-              else None)
+    looked_for = min_blocks is not None and mask.dtype == torch.bool
+    blocks = find_receiver_blocks(allowed, is_causal, min_blocks) if looked_for else None
     if not torch.compiler.is_compiling() and bool(row_valid.all()):
         return AttentionMask(mask, None, is_causal, block_mask, blocks)
     # open isolated receivers' rows (rule 4)
@@ -234,38 +234,40 @@ def build_attention_mask(
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.bool()
     ordered = is_ordered(bias, causal)
-    if entry.window:
-        two_sided = not ordered
-        create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
-        previous = config.sliding_window_size
-        window = transformers_window(previous, two_sided)
-        inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **cache_kwargs(cache),
-                      **({} if two_sided else {"position_ids": position_ids}))
-        cached = cache is not None and (getattr(cache, "is_compileable", False) or cache.get_seq_length() > 0)
-        blockwise = (long_window_mask(previous, two_sided, inputs_embeds, attention_mask, position_ids)
-                     if receiver_blocks and not cached else None)
-        if blockwise is not None:
-            if uses_flex_attention(config):
-                blockwise.block_mask = create(config=MaskBuilderConfig("flex_attention", window), **inputs)
-            return blockwise
-        dense, block = _both_formats(create, config, window, **inputs)
-        # a one-token step over a ring cache (its sliding layers' `to_slots`, `kernels.caches`): keys in slot order
-        layer = next((layer for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)), None)
-        to_slots = getattr(layer, "to_slots", None)
-        if to_slots is not None and dense is not None and (in_slots := to_slots(dense)) is not dense:
-            dense, block = in_slots, None if block is None else in_slots
-        return with_row_validity(dense, is_causal=ordered, block_mask=block,
+    if not entry.window:  # a graph of pairs: its mask function with the causal or bidirectional builder
+        and_fn = mask_function_of(entry, config, inputs_embeds.device, attention_mask=attention_mask,
+                                  graph_adjacency=graph_adjacency)
+        if ordered:
+            masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds,
+                                  attention_mask=attention_mask, **cache_kwargs(cache), position_ids=position_ids,
+                                  and_mask_function=and_fn)
+        else:
+            masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
+                                  attention_mask=attention_mask, **cache_kwargs(cache),
+                                  and_mask_function=and_fn)
+        return with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1],
                                  min_blocks=1 if receiver_blocks else None)
-    and_fn = mask_function_of(entry, config, inputs_embeds.device, attention_mask=attention_mask,
-                              graph_adjacency=graph_adjacency)
-    if ordered:
-        masks = _both_formats(create_causal_mask, config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                              **cache_kwargs(cache), position_ids=position_ids, and_mask_function=and_fn)
-    else:
-        masks = _both_formats(create_bidirectional_mask, config, inputs_embeds=inputs_embeds,
-                              attention_mask=attention_mask, **cache_kwargs(cache),
-                              and_mask_function=and_fn)
-    return with_row_validity(*masks[:1], is_causal=ordered, block_mask=masks[1],
+    # a window: Transformers' sliding-window builders (or, where `import dat_hf` installs one, no dense mask)
+    two_sided = not ordered
+    create = create_bidirectional_sliding_window_mask if two_sided else create_sliding_window_causal_mask
+    previous = config.sliding_window_size
+    window = transformers_window(previous, two_sided)
+    inputs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, **cache_kwargs(cache),
+                  **({} if two_sided else {"position_ids": position_ids}))
+    cached = cache is not None and (getattr(cache, "is_compileable", False) or cache.get_seq_length() > 0)
+    blockwise = (long_window_mask(previous, two_sided, inputs_embeds, attention_mask, position_ids)
+                 if receiver_blocks and not cached else None)
+    if blockwise is not None:
+        if uses_flex_attention(config):
+            blockwise.block_mask = create(config=MaskBuilderConfig("flex_attention", window), **inputs)
+        return blockwise
+    dense, block = _both_formats(create, config, window, **inputs)
+    # a one-token step over a ring cache (its sliding layers' `to_slots`, `kernels.caches`): keys in slot order
+    layer = next((layer for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)), None)
+    to_slots = getattr(layer, "to_slots", None)
+    if to_slots is not None and dense is not None and (in_slots := to_slots(dense)) is not dense:
+        dense, block = in_slots, None if block is None else in_slots
+    return with_row_validity(dense, is_causal=ordered, block_mask=block,
                              min_blocks=1 if receiver_blocks else None)
 
 

@@ -208,17 +208,18 @@ def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=N
     cache = self_attention_cache(cache)
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
-    if isinstance(cache, PagedCache):
-        masks = paged_masks(attention_mask, config, cache)
-    elif isinstance(attention_mask, dict):
+    paged = isinstance(cache, PagedCache)  # (continuous batching: one packed row of many requests)
+    if not paged and isinstance(attention_mask, dict):
         masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
-    else:
+    elif not paged:
         check_inputs("graph_inputs", biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
         masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
                             causal=causal)
+    else:
+        masks = paged_masks(attention_mask, config, cache)
     inputs = (masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds), model.training,
               [sensory for sensory, _ in layer_biases], [relational for _, relational in layer_biases])
-    per_request = isinstance(cache, PagedCache) and cache.decoding
+    per_request = paged and cache.decoding
     return layer_biases, plan_attention(model, *inputs, per_request=per_request)
 
 
