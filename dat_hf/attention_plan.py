@@ -174,7 +174,8 @@ def sensory_function(config, output_attentions: bool) -> tuple:
 
 
 # the plan's entry classes by head type ("sensory", "relational"): `import dat_hf` installs subclasses that also attend
-# block by block over masks with receiver blocks (`dat_hf/kernels/receiver_blocks.py`); none: the classes above
+# block by block over masks with receiver blocks and fall back from a failing compiled backend
+# (`dat_hf/kernels/plan_entries.py`); none: the classes above
 PLAN_ENTRIES = BACKENDS.of("plan_entries")
 
 

@@ -231,10 +231,11 @@ class PagedCache:
         _, key_heads, m, d = keys.shape
         parts = [keys.transpose(1, 2).reshape(1, m, key_heads * d), *values]
         widths = tuple(part.shape[-1] for part in parts)
-        heads = -(-sum(widths) // (2 * d))  # `num_key_value_heads`: each half holds `heads * d` of a token
+        width = sum(widths)
+        heads = -(-width // (2 * d))  # `num_key_value_heads`: each half holds `heads * d` of a token
         half = heads * d
-        if 2 * half > sum(widths):
-            parts.append(keys.new_zeros(1, m, 2 * half - sum(widths)))
+        if 2 * half > width:
+            parts.append(keys.new_zeros(1, m, 2 * half - width))
         tokens = torch.cat(parts, dim=-1)  # [1, M, 2 half]
         # the halves as `[1, heads, M, d]` views; the cache rewrites its kwargs, so each layer gets a copy
         new = [tokens.as_strided((1, heads, m, d), (m * 2 * half, d, 2 * half, 1), tokens.storage_offset() + i * half)

@@ -44,8 +44,8 @@ def column_sharded(linear) -> bool:
 
 
 def accepts_sharded(fused, sensory, relational, x) -> bool:
-    """Every projection of `fused` column-sharded."""
-    return all(map(column_sharded, head_linears(sensory, relational, fused.projections)))
+    """Every projection of `fused` column-sharded (never outside a distributed run: checked at every layer call)."""
+    return dist.is_initialized() and all(map(column_sharded, head_linears(sensory, relational, fused.projections)))
 
 
 def local_widths(fused, sensory, relational, linears, weights) -> list[int]:
