@@ -26,7 +26,8 @@ clients it does not trust needs (docs/serving.md):
   refused by name.
 - **`/v1/models/{id}`** answers the model the server holds.
 - **Shutdown.** On SIGTERM / Ctrl+C the server stops admitting, finishes the requests in flight within
-  `--shutdown-grace` seconds (default 10), answers the rest 503 (a stream is closed), and exits.
+  `--shutdown-grace` seconds (default 10), answers the rest 503 (a stream is closed), and exits. A generation whose
+  request was cancelled is not started, or its answer dropped.
 
 The file imports nothing of dat_hf but, where installed, the package itself (its Auto registrations): where dat_hf is
 not installed, the file alone serves a saved DAT folder from its remote code, run as a script:
@@ -543,6 +544,42 @@ def _servable(use_continuous_batching):
     return wrapper
 
 
+def _cancellable(async_submit):
+    """`InferenceThread.async_submit` for requests that are cancelled (a client gone, the shutdown's grace period
+    over): a call whose request was cancelled while queued is not run, and the answer of one cancelled while it ran is
+    dropped. Transformers' own sets the result on the cancelled asyncio future from its thread (`InvalidStateError`,
+    logged with a traceback) and runs every queued call. The call goes through the thread's `submit` (a
+    `concurrent.futures.Future` nobody cancels), the answer is handed to the event loop, which sets it only on a
+    future still waiting."""
+
+    @functools.wraps(async_submit)
+    def wrapper(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+
+        def call(*args, **kwargs):  # (on the inference thread)
+            return None if answer.cancelled() else fn(*args, **kwargs)
+
+        def settle(done):  # (on the event loop)
+            if answer.done():
+                return
+            if done.exception() is not None:
+                answer.set_exception(done.exception())
+            else:
+                answer.set_result(done.result())
+
+        def hand_over(done):  # (on the inference thread)
+            try:
+                loop.call_soon_threadsafe(settle, done)
+            except RuntimeError:  # (the event loop is closed: nobody waits for the answer)
+                pass
+
+        self.submit(call, *args, **kwargs).add_done_callback(hand_over)
+        return answer
+
+    return wrapper
+
+
 def _recorded(init_cb):
     @functools.wraps(init_cb)
     def wrapper(self, model, generation_config, *args, **kwargs):
@@ -725,6 +762,7 @@ def hook_server(settings: Settings | None = None):
     utils.BaseHandler._build_generation_config = _sampling_as_asked(utils.BaseHandler._build_generation_config)
     utils.GenerationState.use_continuous_batching = _servable(utils.GenerationState.use_continuous_batching)
     utils.CBGenerateManager.init_cb = _recorded(utils.CBGenerateManager.init_cb)
+    utils.InferenceThread.async_submit = _cancellable(utils.InferenceThread.async_submit)
     server.build_server = _guarded_build(server.build_server)
     if not getattr(uvicorn.Config, "_dat_hf_graceful", False):
         uvicorn.Config = _graceful(uvicorn.Config)
