@@ -545,12 +545,12 @@ def _servable(use_continuous_batching):
 
 
 def _cancellable(async_submit):
-    """`InferenceThread.async_submit` for requests that are cancelled (a client gone, the shutdown's grace period
-    over): a call whose request was cancelled while queued is not run, and the answer of one cancelled while it ran is
-    dropped. Transformers' own sets the result on the cancelled asyncio future from its thread (`InvalidStateError`,
-    logged with a traceback) and runs every queued call. The call goes through the thread's `submit` (a
-    `concurrent.futures.Future` nobody cancels), the answer is handed to the event loop, which sets it only on a
-    future still waiting."""
+    """In place of `InferenceThread.async_submit` (kept as `__wrapped__`), for requests that are cancelled (a client
+    gone, the shutdown's grace period over): a call whose request was cancelled while queued is not run, and the answer
+    of one cancelled while it ran is dropped. Transformers' own sets the result on the cancelled asyncio future from its
+    thread (`InvalidStateError`, logged with a traceback) and runs every queued call. The call goes through the
+    thread's `submit` (a `concurrent.futures.Future` nobody cancels), the answer is handed to the event loop, which
+    sets it only on a future still waiting."""
 
     @functools.wraps(async_submit)
     def wrapper(self, fn, *args, **kwargs):
@@ -563,10 +563,8 @@ def _cancellable(async_submit):
         def settle(done):  # (on the event loop)
             if answer.done():
                 return
-            if done.exception() is not None:
-                answer.set_exception(done.exception())
-            else:
-                answer.set_result(done.result())
+            error = done.exception()
+            answer.set_result(done.result()) if error is None else answer.set_exception(error)
 
         def hand_over(done):  # (on the inference thread)
             try:

@@ -80,7 +80,7 @@ def main():
         "model_class": type(model).__name__, "device": str(device), "backend": dist.get_backend(),
         "relational_backend": model.model.layers[0].dual_attn.relational.relational_attention_backend}))
     dist.barrier()
-    del model, reference  # (FSDP2's state keeps the last step's collectives: released while the group is alive)
+    del model, reference  # (their sharded state released while the group is alive)
     dist.destroy_process_group()
 
 
