@@ -196,8 +196,8 @@ class AttentionPlan(NamedTuple):
         dropout = config.attention_dropout if training else 0.0
         implementation, backend = sensory_function(config, output_attentions)
         name = "eager" if backend is SENSORY_ATTENTION_FUNCTIONS["eager"] else implementation
-        planned_sensory = PLAN_ENTRIES["sensory"].function if "sensory" in PLAN_ENTRIES else PlannedSensory
-        planned_relational = PLAN_ENTRIES["relational"].function if "relational" in PLAN_ENTRIES else PlannedRelational
+        planned_sensory = PLAN_ENTRIES.installed("sensory", PlannedSensory)
+        planned_relational = PLAN_ENTRIES.installed("relational", PlannedRelational)
         sensory = {bias: planned_sensory(masks[bias], name, backend.function, backend.mask_format, output_attentions)
                    for bias in dict.fromkeys(sensory_biases)}
         if relative_symbols is None:

@@ -124,8 +124,8 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
         prepare_cache(cache.self_attention_cache, capacity, in_place)
         prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
     elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
-        faster = CACHE_LAYERS.get("dynamic") if in_place else None
-        full = DynamicLayer if faster is None else partial(faster.function, capacity)
+        faster = CACHE_LAYERS.installed("dynamic") if in_place else None
+        full = DynamicLayer if faster is None else partial(faster, capacity)
         for i, layer in enumerate(cache.layers):
             if not layer.is_initialized and (type(layer) is DynamicLayer and faster is not None
                                              or type(layer) is DynamicSlidingWindowLayer and cross_attention):
@@ -133,8 +133,7 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
         if cache.layer_class_to_replicate is DynamicLayer:
             cache.layer_class_to_replicate = full
     elif isinstance(cache, StaticCache):
-        ring = CACHE_LAYERS.get("static_sliding")
-        sliding = DATStaticSlidingWindowLayer if ring is None else ring.function
+        sliding = CACHE_LAYERS.installed("static_sliding", DATStaticSlidingWindowLayer)
         for i, layer in enumerate(cache.layers):
             unused = not layer.is_initialized or _initialized_ahead(layer)
             if type(layer) is StaticLayer and unused:

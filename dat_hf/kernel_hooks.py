@@ -47,6 +47,11 @@ class BackendTable(dict):
                  mask_format: str = "tensor") -> None:
         self[name] = Backend(function, supports, tuple(preferred_on), mask_format)
 
+    def installed(self, name: str, default=None):
+        """The function (or class) registered as `name`, else `default` (what remote code alone runs)."""
+        entry = self.get(name)
+        return default if entry is None else entry.function
+
     def backend(self, name: str) -> Backend:
         if name not in self:
             raise ValueError(f"Unknown {self.kind} attention backend {name!r}; registered: {sorted(self)} (compiled "
