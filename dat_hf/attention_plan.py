@@ -20,6 +20,7 @@ from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 # (the import registers the `sdpa` and `flex_attention` relational backends)
 from .relational_attention_fused import fused_values_limits
 from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, sensory_attention_backend
+from .transformers_compat import attention_implementation
 
 
 class KernelMask(NamedTuple):
@@ -165,9 +166,7 @@ class PlannedRelational(PlannedAttention):
 def sensory_function(config, output_attentions: bool) -> tuple:
     """(implementation name, the sensory heads' `Backend`: function and mask format): eager for weights, else the
     config's (`sensory_attention_backend`)."""
-    # continuous batching sets "paged|eager": DAT's heads read the paged cache themselves
-    implementation = config._attn_implementation
-    implementation = implementation.removeprefix("paged|") if isinstance(implementation, str) else implementation
+    implementation = attention_implementation(config)  # (continuous batching's `paged|eager` as `eager`)
     if output_attentions:
         return implementation, SENSORY_ATTENTION_FUNCTIONS["eager"]
     return implementation, sensory_attention_backend(implementation)

@@ -22,13 +22,12 @@ from functools import partial
 import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
                                       StaticCache, StaticLayer, StaticSlidingWindowLayer)
-from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.masking_utils import and_masks, sliding_window_causal_mask_function
 
 from .kernel_hooks import BACKENDS, replaceable
 from .masking_dat import AttentionMask, transformers_window, with_row_validity
 from .relational_biases import RELATIONAL_BIASES, mask_function_of, pair_mask, relational_bias
-from .transformers_compat import paged_cache_limits
+from .transformers_compat import PagedAttentionCache, paged_cache_limits
 
 
 # ---- the packed layout ----------------------------------------------------------------------------------------------

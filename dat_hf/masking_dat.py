@@ -20,7 +20,7 @@ from transformers.masking_utils import (create_bidirectional_mask, create_bidire
 
 from .kernel_hooks import replaceable
 from .relational_biases import CROSS_ATTENTION_BIAS, is_ordered, mask_function_of, relational_bias
-from .transformers_compat import cache_kwargs
+from .transformers_compat import attention_implementation, cache_kwargs
 
 
 def receiver_offset(q_len: int, kv_len: int, offset=None):
@@ -179,7 +179,7 @@ def _block_mask_of(allowed: torch.Tensor):
 
 def uses_flex_attention(config) -> bool:
     """Whether some heads run FlexAttention (then masks also come as `BlockMask`s)."""
-    return "flex_attention" in (config._attn_implementation, getattr(config, "relational_attn_implementation", None))
+    return "flex_attention" in (attention_implementation(config), getattr(config, "relational_attn_implementation", None))
 
 
 def _both_formats(create, config, sliding_window=None, **kwargs):

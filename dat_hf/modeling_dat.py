@@ -44,7 +44,8 @@ from .attention_plan import gradients_flow, plan_attention
 from .masking_dat import build_masks, prebuildable, prebuilt_masks, uses_flex_attention
 from .tensor_parallel_dat import applicable_rules, use_local_heads
 from .symbol_retrieval import PositionalSymbols, PositionRelativeSymbols, SymbolicAttention, SymbolRetrievers
-from .transformers_compat import CACHE_NAMES, cache_kwargs, output_cache, slice_logits_to_keep, takes_cache
+from .transformers_compat import (TP, CACHE_NAMES, cache_kwargs, output_cache, require, slice_logits_to_keep,
+                                  takes_cache)
 
 
 # What DAT outputs add to Transformers' outputs, in the format `auto_docstring` reads
@@ -411,9 +412,13 @@ class DATPreTrainedModel(PreTrainedModel):
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """Transformers' parallelism (`tp_plan="auto"`, `DistributedConfig`) before the weights load; under tensor
-        parallelism every attention module is then left with the heads its rank holds (`use_local_heads`)."""
+        parallelism every attention module is then left with the heads its rank holds (`use_local_heads`). A release
+        whose tensor parallelism moved stops here, naming what moved (`transformers_compat.require`)."""
+        tensor_parallel = mesh_manager is not None and (getattr(distributed_config, "tp_size", None) or 1) > 1
+        if tensor_parallel:
+            require(TP)
         model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
-        if mesh_manager is not None and distributed_config.tp_size > 1:
+        if tensor_parallel:
             use_local_heads(model, distributed_config.tp_size)
         return model
 

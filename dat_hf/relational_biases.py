@@ -85,10 +85,15 @@ def register_relational_bias(bias: RelationalBias) -> RelationalBias:
 
 
 def mask_function_of(bias: RelationalBias, config, device, **inputs) -> Callable | None:
-    """Bias `bias`'s mask function `(batch_idx, head_idx, q_idx, kv_idx) -> bool` for `config` (None: every pair).
-    ValueError naming the bias if its `mask_function` does not return a callable."""
+    """Bias `bias`'s mask function `(batch_idx, head_idx, q_idx, kv_idx) -> bool` for `config` (None: every pair),
+    from the forward `inputs` it is built from. ValueError naming the bias if one of its inputs is missing, or its
+    `mask_function` does not return a callable."""
     if bias.mask_function is None:
         return None
+    missing = [name for name in bias.inputs if inputs.get(name) is None]
+    if missing:  # (every path that builds masks: a forward, `generate`'s masks built ahead for a static cache)
+        raise ValueError(f"The relational bias {bias.name!r} needs `{missing[0]}` with each input (a forward "
+                         f"argument: `model(..., {missing[0]}=...)`), and none was given.")
     function = bias.mask_function(config, device, **inputs)
     if not callable(function):
         raise ValueError(f"Relational bias {bias.name!r}: its `mask_function` returned {function!r}, not a mask "

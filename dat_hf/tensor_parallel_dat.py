@@ -20,10 +20,17 @@ import re
 import torch
 from torch import nn
 
-try:  # no TP without `transformers.distributed` or a distributed torch
+from .transformers_compat import parallel_styles
+
+# Transformers' style registry and the styles DAT's build on, reached through the seam (`INTERNALS`); None where the
+# installed release has no tensor parallelism in that form or torch no distributed tensors (`tp_plan="auto"` then
+# stops at its start, naming what moved: `DATPreTrainedModel.maybe_distribute_model`)
+STYLES = parallel_styles()
+if STYLES is not None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ColwiseParallel, TensorParallelLayer
-except ImportError:
+
+    ALL_PARALLEL_STYLES, ColwiseParallel, TensorParallelLayer = STYLES
+else:
     DTensor = ALL_PARALLEL_STYLES = None
 
 GATHER_STYLE = "dat_gather"
@@ -60,7 +67,7 @@ if ALL_PARALLEL_STYLES is not None:
         def __init__(self):
             super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
 
-        def transform_output_post_forward(self, module, output, mesh):
+        def transform_output_post_forward(self, module, output, mesh, *args, **kwargs):  # (5.25 adds `config=`)
             if not isinstance(output, DTensor):
                 return gather_last_dim(output, mesh, module.out_features)
             if output.placements != (Replicate(),):
@@ -70,7 +77,7 @@ if ALL_PARALLEL_STYLES is not None:
     class HeadShardedParameter(TensorParallelLayer):
         """A parameter `[heads, ...]` (W_r) sharded by head; read with `local_tensor`."""
 
-        def shard_param(self, module, param, mesh):
+        def shard_param(self, module, param, mesh, *args, **kwargs):  # (5.25 adds `config=`, `mesh_manager=`)
             meta = module._parameters.get(param)
             if meta is None:
                 return

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Tensor parallelism on CPU: one training step (forward, backward, AdamW step; a fixed batch, fp32) of DAT
 (`DATForCausalLM`) and of a Llama of the same width, depth, heads, FFN and vocabulary, sharded over `--tp` processes
-(`from_pretrained(folder, tp_plan="auto")`, gloo, one thread each) beside the same model in one process, and where
-the sharded step's time goes.
+(`from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))`, gloo, one thread each) beside the
+same model in one process, and where the sharded step's time goes.
 
     python scripts/benchmark_tensor_parallel.py --out docs/benchmarks/tp      # dat-small at 2 layers, 4 x 256 tokens
     python scripts/benchmark_tensor_parallel.py --preset dat-343m --layers 2 --batch 1 --seq 512 --repeats 2
@@ -173,8 +173,9 @@ class Worker:
     def load(self, folder, tp):
         import dat_hf  # noqa: F401  (registers the Auto classes)
         from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
 
-        kwargs = {"tp_plan": "auto"} if tp else {}
+        kwargs = {"distributed_config": DistributedConfig(tp_plan="auto")} if tp else {}
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", **kwargs).train()
         return model, self.torch.optim.AdamW(model.parameters(), lr=self.args.lr)
 

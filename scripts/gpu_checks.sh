@@ -42,13 +42,13 @@
 # (scripts/wheels_to_install.py says which). The lent H100/H200 image was read with torch 2.11, triton 3.6,
 # transformers 5.17, accelerate 1.15, tokenizers 0.23, safetensors 0.8, huggingface_hub 1.33 and einops (the device
 # notes, 2026-11): at dat_hf's floors, so nothing needs carrying but `dual_attention` for `reference` and
-# transformers 5.24 (its other needs the image meets) for the quick stage's serve step (DAT's continuous batching
-# runs on 5.24's paged cache; without it the step fails at once, naming the wheel): before a lent run,
-# `pip download --no-deps -d .whl transformers==5.24.0` here, and carry `.whl`. The quick stage's env step prints
+# transformers 5.25 (its other needs the image meets) for the quick stage's serve step (DAT's continuous batching
+# runs on the paged cache of 5.24 on; without it the step fails at once, naming the wheel): before a lent run,
+# `pip download --no-deps -d .whl transformers==5.25.0` here, and carry `.whl`. The quick stage's env step prints
 # what the machine has. CI's floor leg runs the kernel's checks (interpreted, and compiled for sm_90 with
 # Triton's own ptxas) and this quick stage's dry run with that Triton, 3.6.0, and Transformers 5.17.
 #
-# No TP=1 row: Transformers (5.17 to 5.24) loads `tp_plan="auto"` at a world size of 1 as a plain model (no process
+# No TP=1 row: Transformers (5.17 to 5.25) loads `tp_plan="auto"` at a world size of 1 as a plain model (no process
 # group, no DTensor, no hooks: its tp_size > 1 tests), so it would repeat the decode row; tensor parallelism needs
 # the `tp` stage's 2 GPUs.
 set -uo pipefail

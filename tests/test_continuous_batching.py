@@ -27,7 +27,7 @@ from dat_hf.kernels import cpu_build
 from dat_hf.cache_dat import PAGED_ARGUMENTS
 from dat_hf.kernels.paged_views import paged_layout, paged_views_without_copy
 from dat_hf.relational_biases import RelationalBias
-from dat_hf.transformers_compat import PAGED_CACHE_UPDATE, paged_cache_limits
+from dat_hf.transformers_compat import CB, INTERNALS, paged_cache_limits
 
 PROMPT_LENGTHS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 77, 89, 100)
 NEW_TOKENS = 5
@@ -294,13 +294,15 @@ def test_encoder_decoder_is_refused_by_name():
 
 
 def test_paged_cache_api_of_the_installed_release():
-    """DAT's layers use the paged cache of Transformers 5.24 (`PagedCache`): on a release whose paged cache differs,
-    continuous batching is refused naming it; on the tested releases the API is the one `PagedCache` calls."""
-    from transformers.generation.continuous_batching import PagedAttentionCache
+    """DAT's layers use the paged cache of Transformers 5.24 on (`PagedCache`, the seam's continuous-batching
+    internals): on a release whose paged cache differs, continuous batching is refused naming what moved; on the
+    others the forward takes every argument the manager hands it."""
     import inspect
 
+    paged = [internal for internal in INTERNALS if internal.feature == CB and internal.name.endswith(".update")]
+    assert [internal.parameters for internal in paged] == [("self", "key_states", "value_states", "layer_idx",
+                                                            "kwargs")]
     if PAGED_API:
-        assert list(inspect.signature(PagedAttentionCache.update).parameters) == PAGED_CACHE_UPDATE
         assert paged_cache_limits() is None
         from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
 
@@ -308,5 +310,5 @@ def test_paged_cache_api_of_the_installed_release():
         forward = set(inspect.signature(DATForCausalLM.forward).parameters) | {"logits_to_keep"}
         assert set(PagedAttentionArgs.__annotations__) - forward == set(PAGED_ARGUMENTS)
     else:
-        with pytest.raises(ValueError, match="paged cache"):
+        with pytest.raises(ValueError, match="PagedAttentionCache.update"):
             model_of().init_continuous_batching(generation_config=generation_config())

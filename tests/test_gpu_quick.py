@@ -125,7 +125,7 @@ def test_the_dry_run_writes_every_figure_and_the_table(tmp_path):
         assert report["summary"]["serve"]["paged_bytes_ok"] is True
     else:  # refused at once, naming the wheel to carry
         assert "results" not in report["serve"] and report["summary"]["serve"] is None
-        assert "carry its wheel (`pip download --no-deps -d .whl transformers==5.24.0`)" in report["serve"]["dat_needs"]
+        assert "carry its wheel (`pip download --no-deps -d .whl transformers==5.25.0`)" in report["serve"]["dat_needs"]
 
     table = (out / "quick.md").read_text()
     assert table.startswith("### GPU quick stage: DRY RUN on CPU")

@@ -23,7 +23,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from types import SimpleNamespace
 
 import openai
 import pytest
@@ -34,7 +33,7 @@ from lm_helpers import corpus_file
 from snippets import offline_env
 
 from dat_hf import DATForCausalLM
-from dat_hf.serve import _servable
+from dat_hf.serve import ProcessEngine, ThreadEngine, _servable
 
 pytestmark = pytest.mark.xdist_group("serve")  # (one worker: each server started once)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,11 +61,15 @@ VARIANTS = {  # (remote code, flags, the signal that stops it; None: in this pro
 # how the process ends after a graceful shutdown: uvicorn raises the signal again; Ctrl+C then ends in the CLI's
 # "Aborted!" (exit status 1 from click; 130 from typer, Transformers' CLI before huggingface_hub 2), SIGTERM kills it
 EXIT_STATUS = {signal.SIGINT: (1, 130), signal.SIGTERM: (-signal.SIGTERM,)}
-# where dat_hf is not installed: the file run alone (`import dat_hf` fails as it would there)
+# where dat_hf is not installed: the file run alone (`import dat_hf` fails as it would there, in the processes the
+# server spawns too: a `dat_hf` that cannot be imported first on the path, which they inherit)
 WITHOUT_DAT_HF = """
 import runpy, sys
 from pathlib import Path
-sys.modules["dat_hf"] = None
+stub = Path({stub!r}) / "dat_hf"
+stub.mkdir(parents=True, exist_ok=True)
+(stub / "__init__.py").write_text("raise ModuleNotFoundError('No module named dat_hf', name='dat_hf')")
+sys.path.insert(0, str(stub.parent))
 assert not any(Path(p or ".").resolve() == Path({repo!r}) for p in sys.path), sys.path
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -114,7 +117,14 @@ def served(tmp_path_factory):
                                                 return_tensors="pt"))
     texts = [*completions.values(), chat]
     assert len(set(texts)) == len(texts), f"the prompts must give different texts (a mix-up shows): {texts}"
-    return dict(folder=str(folder), completions=completions, chat=chat, long_text=long_text, long_chat=long_chat)
+    return dict(folder=str(folder), completions=completions, chat=chat, long_text=long_text, long_chat=long_chat,
+                limits=model.continuous_batching_limits())
+
+
+def batched(server, served) -> bool:
+    """Whether the server generates with continuous batching: asked, and the model's limits allow it (the installed
+    release's paged cache among them; else the server falls back to `generate`, warning)."""
+    return "--continuous-batching" in VARIANTS[server.variant][1] and not served["limits"]
 
 
 def free_port() -> int:
@@ -138,7 +148,8 @@ class Server:
     def start(self, folder, remote, flags, workdir):
         args = [folder, *flags]
         if remote:  # no PYTHONPATH, cwd outside the checkout, `python -I` (no script or cwd path entry)
-            command = [sys.executable, "-I", "-c", WITHOUT_DAT_HF.format(repo=str(REPO_ROOT)), str(SERVE_PY), *args]
+            script = WITHOUT_DAT_HF.format(repo=str(REPO_ROOT), stub=str(workdir / "without"))
+            command = [sys.executable, "-I", "-c", script, str(SERVE_PY), *args]
             env = offline_env(None, HF_HOME=str(workdir / "hf_home"), HF_MODULES_CACHE=str(workdir / "hf_modules"))
         else:
             command = [sys.executable, "-m", "dat_hf.serve", *args]
@@ -188,39 +199,37 @@ class Server:
 
 
 class InProcessServer(Server):
-    """The same server in this process: Transformers' `Serve` on a thread (its `non_blocking` mode), with what
-    `python -m dat_hf.serve` adds (`register_architectures`, `hook_server`); the server's log lines in `log`. The
-    HTTP answers without an interpreter start (the default suite); signals and remote code need the subprocesses."""
+    """The same server in this process: `dat_hf.serve.main` on a thread, stopped by `stop_servers` (as SIGTERM stops
+    the command); the server's log lines in `log`. The HTTP answers without an interpreter start for the server
+    (where the release runs its model in a process of its own, Transformers spawns that one); signals and remote
+    code need the subprocesses."""
 
     def start(self, folder, remote, flags, workdir):
         import logging
+        import threading
 
-        from transformers.cli.serve import Serve
-
-        from dat_hf.serve import hook_server, register_architectures
+        from dat_hf import serve
 
         assert not remote
-        register_architectures()
-        hook_server()
         self.handler = logging.FileHandler(self.log)
         logging.getLogger("transformers").addHandler(self.handler)
-        kwargs, words = {}, iter(flags)  # the command line's flags as `Serve`'s arguments
-        for flag in words:
-            name = flag.removeprefix("--").replace("-", "_")
-            kwargs[name] = True if flag == "--continuous-batching" else next(words)
-        kwargs = {name: int(value) if isinstance(value, str) and value.isdigit() else value
-                  for name, value in kwargs.items()}
-        self.serve = Serve(folder, non_blocking=True, **kwargs)
+        self.thread = threading.Thread(target=serve.main, args=([folder, *flags],), name="dat_hf.serve", daemon=True)
+        self.thread.start()
 
     def exited(self) -> int | None:
-        return None if self.serve._thread.is_alive() else 0
+        return None if self.thread.is_alive() else 0
 
     def close(self):
         import logging
 
-        self.serve.kill_server()
+        from dat_hf import serve
+
+        serve.stop_servers()
+        self.thread.join(timeout=30)
         logging.getLogger("transformers").removeHandler(self.handler)
         self.handler.close()
+        assert not self.thread.is_alive(), "the server on a thread did not stop"
+
 
 def default_sigint():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -255,8 +264,8 @@ def test_concurrent_completions_are_the_local_greedy_text(server, served):
         results[STREAMED] = streamed.result()
     assert {prompt: text for prompt, (text, _) in results.items()} == served["completions"]
     assert {reason for _, reason in results.values()} == {"length"}
-    continuous_batching = "--continuous-batching" in VARIANTS[server.variant][1]
-    assert f"CB: {continuous_batching}" in server.output()  # (the server falls back to `generate` with a warning)
+    fell_back = "--continuous-batching" in VARIANTS[server.variant][1] and not batched(server, served)
+    assert ("Continuous batching cannot serve this DAT model" in server.output()) == fell_back, server.output()[-3000:]
 
 
 def test_chat_completions_are_the_local_greedy_text(server, served):
@@ -445,7 +454,7 @@ def test_sampling_is_served_as_asked(server, served):
     samples every request as the first asked, other sampling settings are refused by name."""
     kwargs = dict(model=server.model, prompt=PROMPTS[1], max_tokens=NEW_TOKENS)
     assert complete(server, PROMPTS[1])[0] == served["completions"][PROMPTS[1]]  # (the batch, if any, is greedy)
-    if "--continuous-batching" in VARIANTS[server.variant][1]:
+    if batched(server, served):
         with pytest.raises(openai.BadRequestError) as refused:
             server.client.completions.create(temperature=1.5, **kwargs)
         assert refused.value.body["param"] == "temperature", refused.value.body
@@ -475,6 +484,35 @@ def in_flight_request(server, index: int) -> str:
             kind.__name__ for kind in type(error).__mro__}
         assert transport and not isinstance(error, openai.APITimeoutError), repr(error)
         return "closed"
+
+
+@pytest.mark.integration
+def test_several_api_servers_are_each_guarded(served, tmp_path):
+    """`--api-server-count 2` (a release whose model runs in its own process: several API servers share it): the
+    requests spread over both API servers, each hooked as the command's process is (`DATServe.run`, the settings
+    through the environment): a bad field refused by name, the body limit the command was given, greedy text."""
+    import inspect
+
+    from transformers.cli.serve import Serve
+
+    if "api_server_count" not in inspect.signature(Serve).parameters:
+        pytest.skip("the installed release serves from one process (no --api-server-count)")
+    server = Server(served["folder"], False, ["--api-server-count", "2", "--max-request-bytes", "2000"], tmp_path)
+    try:
+        connection = http.client.HTTPConnection(*server.url.removeprefix("http://").split(":"), timeout=60)
+        for _ in range(6):  # (new connections: the kernel spreads them over the two servers' shared socket)
+            connection.close()
+            status, answer, _ = post(connection, "/v1/completions", {"model": server.model, "prompt": "x", "n": 2})
+            assert status == 400 and answer["error"]["param"] == "n", answer
+            connection.close()
+            status, answer, _ = post(connection, "/v1/completions", {"model": server.model, "prompt": "x" * 3000})
+            assert status == 413 and "2000 bytes" in answer["error"]["message"], answer
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda prompt: complete(server, prompt)[0], PROMPTS[:4]))
+        assert texts == [served["completions"][prompt] for prompt in PROMPTS[:4]]
+        assert "Traceback" not in server.output(), server.output()[-3000:]
+    finally:
+        server.close()
 
 
 @pytest.mark.integration
@@ -566,7 +604,11 @@ def test_generations_cancelled_by_the_shutdown_leave_no_traceback(hooked):
 
     from transformers.cli.serving import utils
 
-    from dat_hf.serve import _cancellable
+    from dat_hf.serve import ThreadEngine, _cancellable, find_engine
+
+    if find_engine() is not ThreadEngine:
+        pytest.skip("the installed release runs its model in a process of its own, whose cancels Transformers "
+                    "handles (test_shutdown_on_a_signal reads the log of each variant for a traceback)")
 
     own = inspect.unwrap(utils.InferenceThread.async_submit)  # (Transformers', whether or not this process hooked it)
     submit = _cancellable(own) if hooked else own
@@ -641,14 +683,14 @@ def test_chat_needs_a_chat_template_and_prompts_are_measured_without_tokenizing_
     from dat_hf.serve import Refusal, check_prompt, most_characters
 
     tokenizer = AutoTokenizer.from_pretrained(served["folder"])
-    model = SimpleNamespace(config=tiny_config())
+    config = tiny_config()
     messages = [{"role": "user", "content": "Hello"}]
-    check_prompt({"messages": messages}, "chat", model, tokenizer, messages, {})
+    check_prompt({"messages": messages}, "chat", config, tokenizer, messages, {})
     tokenizer.chat_template = None
     with pytest.raises(Refusal, match="no chat template") as refused:
-        check_prompt({"messages": messages}, "chat", model, tokenizer, messages, {})
+        check_prompt({"messages": messages}, "chat", config, tokenizer, messages, {})
     assert refused.value.param == "messages"
-    limit = model.config.max_position_embeddings
+    limit = config.max_position_embeddings
     longest = max(map(len, tokenizer.get_vocab()))
     assert most_characters(tokenizer, limit) == 4 * limit * longest
 
@@ -665,57 +707,25 @@ def test_chat_needs_a_chat_template_and_prompts_are_measured_without_tokenizing_
 
     counting = Counting()
     with pytest.raises(Refusal, match="without being tokenized"):
-        check_prompt({"prompt": "x" * (most_characters(tokenizer, limit) + 1)}, "completions", model, counting)
+        check_prompt({"prompt": "x" * (most_characters(tokenizer, limit) + 1)}, "completions", config, counting)
     assert counting.calls == 0
     with pytest.raises(Refusal, match=f"`max_position_embeddings` = {limit}"):
-        check_prompt({"prompt": "Enter " * limit}, "completions", model, counting)
-    check_prompt({"prompt": "Enter"}, "completions", model, counting)
+        check_prompt({"prompt": "Enter " * limit}, "completions", config, counting)
+    check_prompt({"prompt": "Enter"}, "completions", config, counting)
     assert counting.calls == 2
-
-
-def test_the_seams_in_transformers_serve_are_where_serve_py_expects_them():
-    """What dat_hf/serve.py wraps or reads in Transformers' server and uvicorn, as it expects it: a failure here is
-    the day upstream changed (then check whether it now does itself what the seam adds: body limits, field checks,
-    `stop` under continuous batching, a shutdown grace, `/v1/models/{id}`)."""
-    import inspect
-
-    import uvicorn
-    from transformers.cli.serving import chat_completion, completion, server, utils
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-
-    def parameters(function):
-        return list(inspect.signature(function).parameters)
-
-    for manager in (utils.GenerateManager, utils.CBGenerateManager):
-        assert parameters(inspect.unwrap(manager.generate_streaming))[:6] == [
-            "self", "model", "processor", "inputs", "gen_config", "request_id"]
-        assert parameters(inspect.unwrap(manager.generate_non_streaming))[:6] == [
-            "self", "model", "processor", "inputs", "gen_config", "request_id"]
-    for handler in (completion.CompletionHandler, chat_completion.ChatCompletionHandler):
-        assert parameters(inspect.unwrap(handler.handle_request)) == ["self", "body", "request_id"]
-        assert callable(handler._resolve_model) and callable(handler.get_processor_inputs_from_messages)
-    assert parameters(inspect.unwrap(utils.BaseHandler._build_generation_config))[:3] == [
-        "self", "body", "model_generation_config"]
-    assert parameters(inspect.unwrap(server.build_server))[0] == "model_manager"
-    for submit in (utils.InferenceThread.submit, inspect.unwrap(utils.InferenceThread.async_submit)):
-        assert parameters(submit)[:2] == ["self", "fn"]
-    assert "timeout_graceful_shutdown" in parameters(uvicorn.config.Config.__init__)  # (uvicorn.Config: hooked)
-    assert {"stop_strings"} <= set(transformers.GenerationConfig().to_dict())
-    # the continuous-batching request: no stop strings (the seam reads the stream and cancels at the stop)
-    assert "stop_strings" not in parameters(ContinuousBatchingManager.add_request)
-    assert "result_handlers" in inspect.getsource(ContinuousBatchingManager.register_result_handler)
-    # what Transformers' server does with the fields the seam refuses or implements: ignored, with a log line
-    assert {"n", "logprobs", "echo"} <= completion.UNUSED_LEGACY_COMPLETION_FIELDS
-    assert {"n", "logprobs"} <= chat_completion.UNUSED_CHAT_COMPLETION_FIELDS
 
 
 def test_continuous_batching_falls_back_to_generate_where_it_cannot_serve_dat(caplog):
     """A model continuous batching cannot serve (its `continuous_batching_limits`) is served by `generate` (as the
     server does for a model without continuous batching), the server warning with the field; the server's own
-    refusal stands."""
-    choose = _servable(lambda state, model, modality: True)
-    assert choose(None, DATForCausalLM(tiny_config()), None)
-    flex = DATForCausalLM(tiny_config(relational_attn_implementation="flex_attention"))
-    assert not choose(None, flex, None)
-    assert "`relational_attn_implementation`='flex_attention'" in caplog.text
-    assert not _servable(lambda state, model, modality: False)(None, DATForCausalLM(tiny_config()), None)
+    refusal stands. Both engines: one asks the model, the other the model's config (a model on the meta device)."""
+    served, flex = DATForCausalLM(tiny_config()), DATForCausalLM(tiny_config(relational_attn_implementation="flex_attention"))
+    for model in (served, flex):
+        model.config.architectures = ["DATForCausalLM"]  # (as a saved folder's config names it)
+    for engine, given in ((ThreadEngine, lambda model: model), (ProcessEngine, lambda model: model.config)):
+        choose = _servable(lambda state, model, second: True, engine.limits_of)
+        assert choose(None, given(served), None) == (not served.continuous_batching_limits())  # (the release's too)
+        assert not choose(None, given(flex), None)
+        assert "`relational_attn_implementation`='flex_attention'" in caplog.text
+        assert not _servable(lambda state, model, second: False, engine.limits_of)(None, given(served), None)
+    assert ProcessEngine.limits_of(transformers.LlamaConfig()) == []  # (a model that is not DAT's: the server's call)

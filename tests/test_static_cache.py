@@ -395,3 +395,13 @@ def test_a_ring_steps_block_mask_is_its_dense_mask():
     got = flex_attention(query, key, value, block_mask=_block_mask_of(allowed))
     expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["dynamic", "static"])
+def test_a_graph_bias_without_its_graph_is_refused_by_name_with_every_cache(cache_implementation):
+    """A `graph` bias's graph comes with each input (`graph_adjacency`): `generate` without it is a ValueError naming
+    it, whether the masks are built in the forward (a dynamic cache) or ahead of it (a static one)."""
+    model = DATForCausalLM(tiny_config(relational_bias="graph")).eval()
+    with pytest.raises(ValueError, match="needs `graph_adjacency`"):
+        model.generate(torch.randint(1, 90, (1, 5)), max_new_tokens=2, do_sample=False,
+                       cache_implementation=cache_implementation)

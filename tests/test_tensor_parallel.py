@@ -1,4 +1,4 @@
-"""Tensor parallelism (`from_pretrained(..., tp_plan="auto")`, `dat_hf/tensor_parallel_dat.py`): the plans of every
+"""Tensor parallelism (`DistributedConfig(tp_plan="auto")`, `dat_hf/tensor_parallel_dat.py`): the plans of every
 family, and 2 processes (`torchrun`, gloo, CPU) against one: logits, a training step (loss, every gradient, SGD),
 greedy `generate` with the cache, `save_pretrained` of the sharded model reloaded in one process; the remote code's
 path (each projection through its TP style) against the installed kernel's (one local product per layer's input)."""
@@ -131,7 +131,7 @@ def refused_variants() -> set:
 
 @pytest.mark.integration
 def test_two_processes_match_one(tmp_path):
-    """`tp_plan="auto"` over 2 ranks against one process, for every variant; users' plans that leave attention, or
+    """The model's plan over 2 ranks against one process, for every variant; users' plans that leave attention, or
     the relational heads only, replicated; a head count 2 ranks cannot split is refused by name; the default model in
     a 2-stage pipeline instead (`DistributedConfig(pp_size=2)`)."""
     specs = [save_variant(name, tmp_path / name) + ("!" if name in refused_variants() else "")

@@ -140,3 +140,44 @@ def test_no_error_or_deprecation_at_import_forward_generate_evaluate_save(tmp_pa
     flagged = [line for line in lines if any(word in line for word in (
         "[ERROR]", "FutureWarning", "DeprecationWarning", "deprecated", "is deprecated"))]
     assert not flagged, "\n".join(flagged)
+
+
+# Transformers' deprecations as errors (a deprecation is the next release's break); logged ones read from the output
+DEPRECATIONS_AS_ERRORS = ["-W", "error::FutureWarning", "-W", "error::DeprecationWarning"]
+DEPRECATED = ("FutureWarning", "DeprecationWarning", "deprecated")
+
+
+@pytest.mark.integration
+def test_the_main_paths_use_nothing_deprecated(tmp_path):
+    """Generate with each cache, continuous batching, a Trainer step, save and reload, the server's start and one
+    request of each kind (both modes), in a process (and the server's model process) where Transformers'
+    `FutureWarning` and `DeprecationWarning` are errors (tests/workers/main_paths.py); then the model's tensor-parallel
+    load, a step, `generate` and a save over 2 ranks likewise. (.ci/run: the newest releases.)"""
+    from lm_helpers import run_group, subprocess_env
+
+    env = subprocess_env()
+    run = subprocess.run([sys.executable, *DEPRECATIONS_AS_ERRORS, str(REPO / "tests" / "workers" / "main_paths.py"),
+                          str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0 and "DONE" in run.stdout, output[-5000:]
+    flagged = [line for line in output.splitlines() if any(word in line for word in DEPRECATED)
+               and UntestedTransformersWarning.__name__ not in line]
+    assert not flagged, "\n".join(flagged)
+    for path in ("generate dynamic", "generate static", "continuous batching", "trainer step", "save and reload",
+                 "server\n", "server --continuous-batching"):
+        assert path in run.stdout, (path, run.stdout)
+
+    torch.manual_seed(0)
+    folder = tmp_path / "tp"
+    DATForCausalLM(tiny_config()).save_pretrained(folder)
+    out = tmp_path / "tp-out"
+    out.mkdir()
+    env = subprocess_env(PYTHONWARNINGS="error::FutureWarning,error::DeprecationWarning")
+    proc = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                      str(REPO / "tests" / "workers" / "tp_check.py"), str(out), str(folder)], timeout=300, cwd=REPO,
+                     env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    flagged = [line for line in output.splitlines() if any(word in line for word in DEPRECATED)
+               and UntestedTransformersWarning.__name__ not in line]
+    assert not flagged, "\n".join(flagged)

@@ -1,14 +1,14 @@
 """Tensor parallelism check, run by `torchrun --nproc_per_node N` (gloo, CPU): for each saved model folder given,
-`from_pretrained(folder, tp_plan="auto")` against the same folder loaded in one process: logits, one training step
-(loss, every gradient, SGD), greedy `generate` with the cache, and `save_pretrained` of the sharded model reloaded in
-one process; and the sharded model's logits, loss and gradients without the installed projection kernel (the path of
+`from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))` against the same folder loaded in one
+process: logits, one training step (loss, every gradient, SGD), greedy `generate` with the cache, and `save_pretrained`
+of the sharded model reloaded in one process; and the sharded model's logits, loss and gradients without the installed projection kernel (the path of
 remote code without dat_hf) against those with it. Writes `<out>/rank<r>.json` with the measured differences (the
 test asserts on them).
 
     torchrun --nproc_per_node 2 tests/workers/tp_check.py OUT SPEC [SPEC ...]
 
-SPEC: a folder (`tp_plan="auto"`), `FOLDER@PLAN.json` (a `DistributedConfig` whose `tp_plan` overrides rules of the
-model's plan), `FOLDER!` (loading with `tp_plan="auto"` must raise a ValueError: its message is recorded), or
+SPEC: a folder (the model's plan), `FOLDER@PLAN.json` (a `DistributedConfig` whose `tp_plan` overrides rules of
+the model's plan), `FOLDER!` (loading with the model's plan must raise a ValueError: its message is recorded), or
 `FOLDER|pp` (pipeline parallelism over the ranks instead: logits only).
 """
 
@@ -89,7 +89,7 @@ def check(spec):
         return pipeline_check(folder, auto)
     if spec.endswith("!"):
         try:
-            auto.from_pretrained(folder, tp_plan="auto")
+            auto.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))
         except ValueError as error:
             return {"folder": os.path.basename(folder), "error": str(error)}
         return {"folder": os.path.basename(folder), "error": None}
@@ -98,7 +98,7 @@ def check(spec):
         with open(plan_file) as f:
             sharded = auto.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan=json.load(f)))
     else:
-        sharded = auto.from_pretrained(folder, tp_plan="auto")
+        sharded = auto.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))
     reference.to(sharded.device)  # (CPU with gloo; a rank's GPU with NCCL: scripts/gpu_checks.sh tp)
     name = os.path.basename(folder) + (f"@{os.path.basename(plan_file)}" if plan_file else "")
     result = {"folder": name, "tp_size": sharded._tp_size}
