@@ -621,10 +621,18 @@ def check_batch_sampling(manager, generation_kwargs: dict):
     checked = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "generation_config")) if sampled else ()
     for name, field in (*checked, ("repetition_penalty", "frequency_penalty")):
         asked, served = generation_kwargs.get(name), getattr(shared, name, None)
-        if asked is not None and asked != served and name not in own:
+        if _effect(name, asked) != _effect(name, served) and name not in own:
             raise Refusal(f"`{field}`: with continuous batching this model's requests take {name}={served}, as its "
                           f"generation config says; this one asks {name}={asked}. Ask the same, or serve without "
                           f"--continuous-batching.", field)
+
+
+NEUTRAL_SETTINGS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}  # (as if unset)
+
+
+def _effect(name: str, value):
+    """A sampling setting as it acts: None for unset and for the values that change nothing."""
+    return None if value is None or value == NEUTRAL_SETTINGS.get(name) else value
 
 
 def _batch_sampling(build_batching_kwargs):

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -729,3 +729,31 @@ def test_continuous_batching_falls_back_to_generate_where_it_cannot_serve_dat(ca
         assert "`relational_attn_implementation`='flex_attention'" in caplog.text
         assert not _servable(lambda state, model, second: False, engine.limits_of)(None, given(served), None)
     assert ProcessEngine.limits_of(transformers.LlamaConfig()) == []  # (a model that is not DAT's: the server's call)
+
+
+def test_the_batch_refuses_by_name_the_sampling_it_cannot_give():
+    """`check_batch_sampling` (a model in its own process, Transformers 5.25: the batch samples as the model's
+    generation config says, each request setting only what the batch's processors take per request): what it cannot
+    give is refused naming the field, first in the message (the server names it again from there: `refusal_of`)."""
+    from dat_hf.serve import Refusal, check_batch_sampling, refusal_of
+
+    def manager(per_request=(), **config):
+        return SimpleNamespace(generation_config=transformers.GenerationConfig(**config),
+                               logit_processor=SimpleNamespace(supported_keys={name: float for name in per_request}))
+
+    def request(**asked):
+        return {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, **asked}
+
+    greedy, sampled = manager(), manager(("temperature", "top_k"), do_sample=True, temperature=0.7, top_k=20)
+    check_batch_sampling(greedy, request(temperature=0.0))
+    check_batch_sampling(sampled, request(do_sample=True, temperature=1.3, top_k=5, top_p=1.0))  # (per request)
+    check_batch_sampling(sampled, request(temperature=0.0))  # (greedy per request: top_k=1)
+    refused = {"temperature": (greedy, request(do_sample=True, temperature=1.5)),
+               "top_p": (sampled, request(do_sample=True, temperature=0.7, top_p=0.5)),
+               "frequency_penalty": (greedy, request(repetition_penalty=1.5))}
+    for field, (batch, asked) in refused.items():
+        with pytest.raises(Refusal) as refusal:
+            check_batch_sampling(batch, asked)
+        assert refusal.value.param == field and refusal_of(ValueError(str(refusal.value))).param == field
+    with pytest.raises(Refusal, match="`temperature`"):
+        check_batch_sampling(manager(("temperature",), do_sample=True, temperature=0.7), request(temperature=0.0))
