@@ -9,13 +9,15 @@ test asserts on them).
 
 SPEC: a folder (the model's plan), `FOLDER@PLAN.json` (a `DistributedConfig` whose `tp_plan` overrides rules of
 the model's plan), `FOLDER!` (loading with the model's plan must raise a ValueError: its message is recorded), or
-`FOLDER|pp` (pipeline parallelism over the ranks instead: logits only).
+`FOLDER|pp` (pipeline parallelism over the ranks instead: logits only), or `FOLDER|legacy` (the deprecated
+`from_pretrained(folder, tp_plan="auto")`: logits and sharding only).
 """
 
 import contextlib
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -81,12 +83,28 @@ def pipeline_check(folder, auto):
             "layers": [type(layer).__name__ for layer in staged.base_model.layers]}
 
 
+def legacy_check(folder, auto):
+    """`from_pretrained(folder, tp_plan="auto")`, the form Transformers deprecates for `distributed_config` but still
+    takes: the logits against one process, and whether the weights are sharded."""
+    reference = auto.from_pretrained(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        sharded = auto.from_pretrained(folder, tp_plan="auto")
+    inputs = {k: v for k, v in inputs_for(reference.config, torch.Generator().manual_seed(0)).items() if k != "labels"}
+    with torch.no_grad():
+        diff = (reference(**inputs).logits - sharded(**inputs).logits).abs().max().item()
+    sharded_weights = sum(isinstance(p, DTensor) for p in projection_weights(sharded).values())
+    return {"folder": os.path.basename(folder) + "|legacy", "logits_diff": diff, "sharded_weights": sharded_weights}
+
+
 def check(spec):
-    folder, _, plan_file = spec.rstrip("!").removesuffix("|pp").partition("@")
+    folder, _, plan_file = spec.rstrip("!").removesuffix("|pp").removesuffix("|legacy").partition("@")
     config = AutoConfig.from_pretrained(folder)
     auto = AUTO[config.model_type]
     if spec.endswith("|pp"):
         return pipeline_check(folder, auto)
+    if spec.endswith("|legacy"):
+        return legacy_check(folder, auto)
     if spec.endswith("!"):
         try:
             auto.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto"))
