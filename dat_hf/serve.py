@@ -529,13 +529,14 @@ def _streamed(generate_streaming, engine):
 
     @functools.wraps(generate_streaming)
     def wrapper(self, *args, **kwargs):
-        config, inputs, settings = engine.request(self, generate_streaming, args, kwargs)
+        call = inspect.signature(generate_streaming).bind(self, *args, **kwargs).arguments
+        config, inputs, settings = engine.request(self, call)
         fit_to_context(config, inputs, settings)
         engine.check_sampling(self, settings)
         queue, streamer = generate_streaming(self, *args, **kwargs)
         if setting(settings, "stop_strings"):
             queue = StoppingQueue(queue, StopText(setting(settings, "stop_strings")), streamer, settings,
-                                  on_stop=engine.on_stop(self, generate_streaming, args, kwargs))
+                                  on_stop=engine.on_stop(self, call))
         return queue, streamer
 
     return wrapper
@@ -547,7 +548,8 @@ def _completed(generate_non_streaming, engine):
 
     @functools.wraps(generate_non_streaming)
     async def wrapper(self, *args, **kwargs):
-        config, inputs, settings = engine.request(self, generate_non_streaming, args, kwargs)
+        call = inspect.signature(generate_non_streaming).bind(self, *args, **kwargs).arguments
+        config, inputs, settings = engine.request(self, call)
         fit_to_context(config, inputs, settings)
         engine.check_sampling(self, settings)
         stops = setting(settings, "stop_strings")
@@ -1085,9 +1087,9 @@ class Engine:
     stream_entry = ""  # the streamer's method handed each output
 
     @classmethod
-    def request(cls, owner, entry, args, kwargs):
-        """(the model's config, the inputs, the request's settings: see `setting`) of a call of `entry`."""
-        call = inspect.signature(entry).bind(owner, *args, **kwargs).arguments
+    def request(cls, owner, call: dict):
+        """(the model's config, the inputs, the request's settings: see `setting`) of a generation entry's call
+        (its arguments by name)."""
         return cls.config_of(owner, call), call["inputs"], call[cls.settings_argument]
 
     @classmethod
@@ -1123,9 +1125,8 @@ class ThreadEngine(Engine):
         generated[:] = output.generated_tokens  # (each output holds every token so far)
 
     @staticmethod
-    def on_stop(manager, entry, args, kwargs):
-        request_id = inspect.signature(entry).bind(manager, *args, **kwargs).arguments.get("request_id")
-        return lambda: _forget(manager, request_id)
+    def on_stop(manager, call):
+        return lambda: _forget(manager, call.get("request_id"))
 
     @staticmethod
     def batched(manager) -> bool:
@@ -1172,7 +1173,7 @@ class ProcessEngine(Engine):
         generated.append(token_id)
 
     @staticmethod
-    def on_stop(client, entry, args, kwargs):
+    def on_stop(client, call):
         return None  # (the stream's cancel ends the request in the model's process)
 
     @staticmethod

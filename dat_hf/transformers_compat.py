@@ -14,9 +14,8 @@ the methods they override are checked here, not reached.
 Where a release changes a name's shape, this module adapts by what the name offers (a style's `shard_param` takes the
 keywords a release passes), never by version number. Where it cannot, the feature that needs it stops at its start
 with `TransformersMoved` (`require`): the internal, what changed, the installed release, the newest tested one and
-the command that installs it. `python -m dat_hf.transformers_compat` walks the table on the installed release;
-`tests/test_transformers_internals.py` does in CI (docs/installing_and_testing.md: what to do when a release moves a
-name).
+the command that installs it. `tests/test_transformers_internals.py` walks the table on the installed release, in each
+CI leg (docs/installing_and_testing.md: what to do when a release moves a name).
 
 The cache's argument: 5.24 renamed `past_key_values` -> `cache` (forwards, `generate()` inputs, mask builders,
 outputs): DAT's forwards take `cache` and accept `past_key_values`; what dat_hf hands Transformers uses `CACHE_NAME`.
@@ -111,22 +110,21 @@ INTERNALS = (
                        "block_table"), since="5.24.0"),
     Internal("transformers.GenerationMixin.init_continuous_batching", CB,
              "starts the batching manager; DAT's override first refuses, by name, what it cannot serve",
-             "DATForCausalLM.init_continuous_batching", parameters=("self",)),
+             "DATGenerationMixin.init_continuous_batching", parameters=("self",)),
     # ---- generation: dat_hf/modeling_dat.py ------------------------------------------------------------------------
     Internal("transformers.GenerationMixin._prepare_cache_for_generation", GENERATION,
              "builds `generate()`'s cache, marking the caller's `_is_user_defined`; DAT's override then gives the "
              "cache DAT's layers (keys, values, symbol values and relation keys of each layer)",
-             "DATPreTrainedModel._prepare_cache_for_generation",
+             "DATGenerationMixin._prepare_cache_for_generation",
              parameters=("self", "generation_config", "model_kwargs", "generation_mode", "batch_size",
                          "max_cache_length"), mentions=("_is_user_defined",)),
     Internal("transformers.GenerationMixin._get_static_cache_init_shape", GENERATION,
              "the shape a static cache is allocated with ahead of the first forward; DAT's override returns None "
              "(DAT's layers allocate at their first update, keys and values with their own heads)",
-             "DATPreTrainedModel._get_static_cache_init_shape", parameters=("self",)),
+             "DATGenerationMixin._get_static_cache_init_shape", parameters=("self",)),
     Internal("transformers.PreTrainedModel._can_set_attn_implementation", GENERATION,
              "whether `set_attn_implementation` may change the model's attention; the seq2seq model's override says "
-             "it may (its dual cross-attention reads the config)", "DATSeq2SeqPreTrainedModel",
-             parameters=()),
+             "it may (its dual cross-attention reads the config)", "DATSeq2SeqPreTrainedModel"),
     Internal("transformers.PreTrainedConfig._attn_implementation", GENERATION,
              "the attention implementation in use, which the sensory heads' backend is chosen by",
              "attention_plan.sensory_function, masking_dat"),
@@ -319,16 +317,6 @@ except ImportError:  # pragma: no cover (Transformers 5.17)
         if isinstance(logits_to_keep, int):
             logits_to_keep = slice(-logits_to_keep, None)
         return hidden_states[:, logits_to_keep, :]
-
-
-def report() -> list[str]:
-    """One line per internal on the installed release: `ok`, `moved` (with what changed) or `optional` missing."""
-    lines = []
-    for internal in INTERNALS:
-        what = difference(internal)
-        state = "ok" if what is None else ("optional, missing" if internal.optional else "MOVED")
-        lines.append(f"{state:18} {internal.feature:19} {internal.name}" + ("" if what is None else f": {what}"))
-    return lines
 
 
 __all__ = ["CACHE_NAME", "CACHE_NAMES", "CHECKED_RELEASES", "INTERNALS", "Internal", "PagedAttentionCache",
