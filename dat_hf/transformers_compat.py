@@ -143,7 +143,16 @@ INTERNALS = (
              mentions=("_get_output_dir",)),
     Internal("transformers.Trainer._get_output_dir", TRAINING,
              "the run folder a checkpoint is written under (swapped for the staging folder while it is written)",
-             "training.trainer.AtomicCheckpointMixin", parameters=("self", "trial")),
+             "training.trainer.AtomicCheckpointMixin, training.preemption.PreemptionCallback",
+             parameters=("self", "trial")),
+    Internal("transformers.Trainer.__init__", TRAINING,
+             "reads `enable_jit_checkpoint` here, and only here, to install its per-process JIT callback: DAT's "
+             "trainer is built with the flag off and installs `PreemptionCallback` instead",
+             "training.trainer.PreemptionMixin", mentions=("enable_jit_checkpoint",)),
+    Internal("transformers.Trainer._build_accelerator_args", TRAINING,
+             "reads `ddp_find_unused_parameters` (from `__init__`) for DDP's `find_unused_parameters`: DAT's trainer "
+             "is built with it False when unset", "training.trainer.UsedParametersMixin",
+             parameters=("self",), mentions=("ddp_find_unused_parameters",)),
     Internal("transformers.Trainer._save", TRAINING,
              "writes the model's files; DAT's override saves an FSDP-sharded model whole",
              "training.trainer.FSDPModelSaveMixin", parameters=("self", "output_dir", "state_dict")),

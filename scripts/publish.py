@@ -220,6 +220,11 @@ def prepare_upload_folder(folder: str | os.PathLike, staging_dir: str | os.PathL
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, staging_dir = Path(folder), Path(staging_dir)
+    run = _read_json(folder / "training_run.json")
+    if run.get("status") == "stopped":  # a preempted run: its checkpoint, not a finished model
+        raise PublishError(f"{folder} holds a run stopped by {run.get('signal')} at step {run.get('step')} of "
+                           f"{run.get('max_steps')} (training_run.json): relaunch its training with "
+                           "`--resume_from_checkpoint last` to finish it, then publish.")
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     staging_dir.mkdir(parents=True, exist_ok=True)

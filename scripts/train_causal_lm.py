@@ -23,7 +23,10 @@ dat_hf.serve` answers chat completions from the folder.
 held-out text): the output folder gets `eval_results.json`, no model and no model card.
 
 `--resume_from_checkpoint last` resumes from the newest complete checkpoint in `--output_dir` (or starts from scratch
-when there is none), so a preempted job can simply be relaunched with the same command.
+when there is none; newer folders that are not whole are skipped and named), so a preempted job can simply be
+relaunched with the same command. With `--enable_jit_checkpoint`, a SIGTERM (or `--preemption_signals`) to any rank
+makes every rank save the same step's checkpoint and stop: `training_run.json` then says "stopped", no final model is
+written, and the command exits with status 128 + the signal's number (docs/training.md, "Preemption").
 """
 
 from __future__ import annotations
@@ -45,19 +48,20 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dat_hf  # noqa: E402,F401  (registers the Auto classes)
 from dat_hf.training import (  # noqa: E402
     AtomicCheckpointTrainer,
+    last_complete_checkpoint,
     list_presets,
     load_preset_config,
     parse_config_overrides,
     preset_path,
     start_deepspeed_comm_on_cpu,
 )
+from dat_hf.training.preemption import PreemptionArguments  # noqa: E402
 from dat_hf.training.text_data import (  # noqa: E402
     load_text_dataset,
     set_chat_template,
@@ -126,9 +130,9 @@ class CardArguments:
 
 
 def parse_args(args=None):
-    """The four argument dataclasses; an unknown `--config_name` ends the process as argparse does (status 2, one
+    """The five argument dataclasses; an unknown `--config_name` ends the process as argparse does (status 2, one
     message naming the presets), before any data is read."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, CardArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments, CardArguments, PreemptionArguments))
     argv = sys.argv[1:] if args is None else list(args)
     if len(argv) == 1 and argv[0].endswith(".json"):
         parsed = parser.parse_json_file(json_file=os.path.abspath(argv[0]))
@@ -222,15 +226,15 @@ def describe_data(data_args) -> str:
 
 def main(args=None, callbacks=None):
     """Run training; returns a dict of results (metrics, paths). `args`: a list of CLI arguments (default argv)."""
-    model_args, data_args, training_args, card_args = parse_args(args)
+    model_args, data_args, training_args, card_args, preemption_args = parse_args(args)
     setup_logging(training_args)
     os.makedirs(training_args.output_dir, exist_ok=True)
     logger.info("world size %d, process %d, device %s", training_args.world_size, training_args.process_index,
                 training_args.device)
     set_seed(training_args.seed)
     checkpoint = training_args.resume_from_checkpoint
-    if checkpoint == "last":  # Trainer's `True` raises when there is no checkpoint yet; "last" then starts from scratch
-        checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+    if checkpoint == "last":  # the newest complete checkpoint; none yet: from scratch (Trainer's `True` would raise)
+        checkpoint = last_complete_checkpoint(training_args.output_dir, log=training_args.should_log)
 
     with training_args.main_process_first(desc="loading the dataset"):
         raw_datasets = load_text_dataset(
@@ -267,6 +271,8 @@ def main(args=None, callbacks=None):
         processing_class=tokenizer,
         data_collator=default_data_collator,
         callbacks=callbacks,
+        preemption_signals=preemption_args.preemption_signals,
+        preemption_grace_seconds=preemption_args.preemption_grace_seconds,
     )
 
     results = {"output_dir": training_args.output_dir, "num_parameters": n_params,
@@ -277,6 +283,8 @@ def main(args=None, callbacks=None):
     trained = training_args.do_train or not training_args.do_eval or strategy != "no"
     if trained:
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        if trainer.preemption is not None:  # stopped by a signal: a checkpoint, never a model saved as finished
+            return stopped_run(trainer, results, model_args, data_args)
         trainer.model.config.use_cache = True  # Trainer turns the KV cache off for training; saved models use it
         trainer.save_model()  # model (safetensors, remote code, generation config) + tokenizer
         train_metrics = dict(train_result.metrics)
@@ -319,11 +327,28 @@ def main(args=None, callbacks=None):
         card.save(os.path.join(training_args.output_dir, "README.md"))
     if trained and training_args.should_save:
         with open(os.path.join(training_args.output_dir, "training_run.json"), "w", encoding="utf-8") as f:
-            json.dump({"data": describe_data(data_args), "num_parameters": n_params,
-                       "config_name": model_args.model_name_or_path or model_args.config_name,
-                       "block_size": data_args.block_size, "steps": trainer.state.global_step,
-                       "world_size": training_args.world_size}, f, indent=2)
+            json.dump({"status": "finished", **run_record(trainer, results, model_args, data_args)}, f, indent=2)
     results["trainer"] = trainer
+    return results
+
+
+def run_record(trainer, results, model_args, data_args) -> dict:
+    """What `training_run.json` says of the run (beside its status)."""
+    return {"data": describe_data(data_args), "num_parameters": results["num_parameters"],
+            "config_name": model_args.model_name_or_path or model_args.config_name,
+            "block_size": data_args.block_size, "steps": trainer.state.global_step,
+            "world_size": trainer.args.world_size}
+
+
+def stopped_run(trainer, results, model_args, data_args) -> dict:
+    """A run stopped by a signal (`trainer.preemption`): every rank saved the same checkpoint; `training_run.json`
+    says "stopped" (the signal, the ranks it reached, the step, the checkpoint); no model, metrics or card are written
+    as for a finished run. `results["stopped"]` is the `Preemption` (its `exit_code`: 128 + the signal's number)."""
+    stop = trainer.preemption
+    if trainer.args.should_save:
+        with open(os.path.join(trainer.args.output_dir, "training_run.json"), "w", encoding="utf-8") as f:
+            json.dump({**stop.record(), **run_record(trainer, results, model_args, data_args)}, f, indent=2)
+    results.update(stopped=stop, trainer=trainer, log_history=trainer.state.log_history)
     return results
 
 
@@ -338,9 +363,17 @@ def end_process_group():
     state.destroy_process_group()
 
 
-if __name__ == "__main__":
-    out = main()
-    ppl = out["eval"].get("eval_perplexity", math.nan)
-    if out["trainer"].args.should_save:
-        print(f"validation perplexity {ppl:.2f}; saved to {out['output_dir']}")
+def cli(args=None, callbacks=None) -> int:
+    """The command: train, report, close the process group; the exit status (0, or 128 + the number of the signal
+    that stopped the run)."""
+    out = main(args, callbacks=callbacks)
+    stopped = out.get("stopped")  # (the Trainer has said so, on rank 0)
+    if stopped is None and out["trainer"].args.should_save:
+        print(f"validation perplexity {out['eval'].get('eval_perplexity', math.nan):.2f}; saved to "
+              f"{out['output_dir']}")
     end_process_group()
+    return stopped.exit_code if stopped is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

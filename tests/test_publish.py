@@ -197,3 +197,18 @@ def test_no_network_is_one_line(trained_folder, tmp_path):
     assert "Traceback" not in proc.stderr
     assert lines[-1].startswith("publish.py: the Hugging Face Hub cannot be reached") and "--dry_run" in lines[-1]
     assert "--staging_dir" in lines[-1]
+
+
+def test_a_stopped_run_is_not_published(tmp_path, capsys):
+    """A folder whose `training_run.json` says the run was stopped by a signal (preempted) is refused in one line
+    that says how to finish it, before anything is loaded or staged."""
+    publish = import_script("publish")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "training_run.json").write_text(json.dumps({"status": "stopped", "signal": "SIGTERM", "step": 23,
+                                                          "max_steps": 30}))
+    assert publish.main(["--folder", str(folder), "--repo_id", REPO_ID, "--dry_run",
+                         "--staging_dir", str(tmp_path / "staged")]) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped by SIGTERM at step 23 of 30" in err[0], err
+    assert "--resume_from_checkpoint last" in err[0] and not (tmp_path / "staged").exists()

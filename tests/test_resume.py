@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from dat_hf import DATForCausalLM
-from dat_hf.training import AtomicCheckpointTrainer, parameters_digest
+from dat_hf.training import AtomicCheckpointTrainer, checkpoint_problem, parameters_digest
 
 pytestmark = pytest.mark.xdist_group("resume")  # (one worker: the module-scoped fixtures built once)
 
@@ -121,3 +121,107 @@ def test_only_tied_missing_keys_are_left_out_of_the_load_warning(tied, tmp_path)
         trainer._issue_warnings_after_load(_IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
     named = ["model.norm.weight"] if tied else ["lm_head.weight", "model.norm.weight"]
     assert warnings == [f"There were missing keys in the checkpoint model loaded: {named}."]
+
+
+DAMAGES = {  # how a preempted or crashed save can leave the newest checkpoint, as `last` meets it
+    "only Transformers' marker": "marker",
+    "a truncated model.safetensors": "truncated",
+    "no trainer_state.json": "no state",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_last_resumes_from_the_checkpoint_before_a_damaged_newest_one(uninterrupted, tmp_path, damage, capsys,
+                                                                     caplog):
+    """The newest checkpoint left incomplete or damaged: `last` resumes from the one before, names the folder it
+    skipped and why in one line, and the run still ends with the uninterrupted run's weights and losses."""
+    import shutil
+
+    from dat_hf.training.preemption import INCOMPLETE_MARKER
+
+    done, digest, losses = uninterrupted
+    out = tmp_path / "run"
+    for step in (4, 8):
+        shutil.copytree(done / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    newest = out / "checkpoint-8"
+    if DAMAGES[damage] == "marker":
+        shutil.rmtree(newest)
+        newest.mkdir()
+        (newest / INCOMPLETE_MARKER).write_text("Checkpoint started at step 8 and in progress...")
+        reason = f"it holds {INCOMPLETE_MARKER}"
+    elif DAMAGES[damage] == "truncated":
+        weights = newest / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        reason = "model.safetensors is truncated"
+    else:
+        (newest / "trainer_state.json").unlink()
+        reason = "no trainer_state.json"
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="dat_hf.training.preemption"):
+        resumed_digest, resumed_losses = resume(out)
+    warnings = [r.getMessage() for r in caplog.records]
+    skipped = [w for w in warnings if "Resuming skips" in w]
+    assert len(skipped) == 1 and f"checkpoint-8 ({reason}" in skipped[0], warnings
+    assert skipped[0].endswith("resuming from checkpoint-4."), skipped
+    assert f"Resuming from {out / 'checkpoint-4'} (step 4)\n" in capsys.readouterr().out
+    assert resumed_losses == losses and resumed_digest == digest
+    assert checkpoint_problem(out / "checkpoint-8") is None  # saved again, whole
+
+
+def test_a_signal_stops_the_run_with_a_checkpoint_never_as_finished(uninterrupted, tmp_path):
+    """`--enable_jit_checkpoint --preemption_signals SIGUSR1`: a SIGUSR1 mid-training saves that step's checkpoint
+    (atomically: no marker, no staging folder), records the stop in `training_run.json`, writes no final model and
+    ends the command with status 128 + 10; the relaunch with `last` ends with the uninterrupted run's weights."""
+    import json
+    import os
+    import signal
+    import threading
+
+    from transformers import TrainerCallback
+
+    _, digest, losses = uninterrupted
+    train = import_script("train_causal_lm")
+    out = tmp_path / "run"
+    flags = ("--enable_jit_checkpoint", "--preemption_signals", "SIGUSR1", "--resume_from_checkpoint", "last")
+
+    class SignalAtStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 5:  # during step 6
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    status = train.cli(run_args(out, *flags), callbacks=[SignalAtStep()])
+    assert status == 128 + signal.SIGUSR1 and signal.getsignal(signal.SIGUSR1) is before
+    # stopped in time: no deadline left running (it would end this process after the grace)
+    assert not [t for t in threading.enumerate() if getattr(t, "function", None).__class__.__name__ == "method"
+                and t.function.__name__ == "_give_up" and t.is_alive()]
+    record = json.loads((out / "training_run.json").read_text())
+    assert record["status"] == "stopped" and record["signal"] == "SIGUSR1" and record["ranks"] == [0], record
+    assert record["step"] == 6 and record["max_steps"] == STEPS and record["checkpoint"] == str(out / "checkpoint-6")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert checkpoint_problem(out / "checkpoint-6") is None and not (out / ".staging").exists()
+    assert not {"model.safetensors", "train_results.json", "eval_results.json", "README.md"} & set(os.listdir(out))
+
+    resumed_digest, resumed_losses = resume(out)
+    assert resumed_losses == losses and resumed_digest == digest
+    assert json.loads((out / "training_run.json").read_text())["status"] == "finished"
+
+
+def test_resuming_cpu_ranks_on_transformers_5_17_is_refused_by_name():
+    """Transformers 5.17 loads a multi-process CPU run's optimizer state onto `cpu:0`, which torch cannot restore:
+    refused before loading, naming the release that works; other releases, devices, one process and sharded states
+    resume."""
+    import types
+
+    import torch
+
+    from dat_hf.training import cpu_ranks_resume_refusal
+
+    def args(world_size=2, device="cpu"):
+        return types.SimpleNamespace(world_size=world_size, device=torch.device(device))
+
+    refusal = cpu_ranks_resume_refusal(args(), sharded=False, version="5.17.0")
+    assert "2 processes on the CPU needs Transformers >= 5.18: 5.17.0 loads" in refusal and "cpu:0" in refusal
+    for case, version in (((args(), False), "5.18.0"), ((args(), False), "5.25.0"), ((args(1), False), "5.17.0"),
+                          ((args(device="cuda"), False), "5.17.0"), ((args(), True), "5.17.0")):
+        assert cpu_ranks_resume_refusal(case[0], sharded=case[1], version=version) is None, (case, version)

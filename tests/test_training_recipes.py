@@ -88,8 +88,8 @@ def cpu_recipes() -> dict[str, list[str]]:
     for command in bash_commands(PAGE.read_text(encoding="utf-8")):
         words = shlex.split(command)
         name = recipe(words)
-        if name is None or "--use_cpu" not in words or "--do_eval" in words:
-            continue
+        if name is None or "--use_cpu" not in words or "--do_eval" in words or "--enable_jit_checkpoint" in words:
+            continue  # (the Preemption section's commands: tests/test_preemption.py)
         assert name not in found, f"docs/training.md has two CPU commands for {name}: {found[name]} and {words}"
         found[name] = words
     return found

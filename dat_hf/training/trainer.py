@@ -7,16 +7,21 @@
   checkpoints, the final `save_model` still gathers a full `model.safetensors` (`FSDPModelSaveMixin`). A resumed run
   says which checkpoint it resumed from, without Trainer's false missing-key warning for tied weights (`ResumeMixin`).
   An FSDP request that runs without FSDP (on the CPU) is named in one warning (`FSDPOnCPUWarningMixin`).
+- Preemption (`--enable_jit_checkpoint`): a signal to any rank stops every rank at the same step with one complete
+  checkpoint (`PreemptionMixin`, `dat_hf.training.preemption`).
+- DDP without the search for unused parameters, for DAT models, which use every parameter (`UsedParametersMixin`).
 - `start_deepspeed_comm_on_cpu`: what `torchrun ... --deepspeed ds.json --use_cpu` needs before the model is built.
 - Offline `evaluate` metric modules shipped in this package: `load_metric("accuracy" | "exact_match")`.
 
-What the libraries already do is left to them: parameter counts are `model.num_parameters()`, the newest checkpoint
-is `transformers.trainer_utils.get_last_checkpoint`, perplexity is `exp(eval_loss)` of `Trainer.evaluate` (as in
-Transformers' `run_clm.py`), progress is Trainer's own progress bar / `PrinterCallback`.
+What the libraries already do is left to them: parameter counts are `model.num_parameters()`, perplexity is
+`exp(eval_loss)` of `Trainer.evaluate` (as in Transformers' `run_clm.py`), progress is Trainer's own progress bar /
+`PrinterCallback`. The newest checkpoint is `dat_hf.training.preemption.last_complete_checkpoint`: Transformers'
+`get_last_checkpoint`, skipping folders that are not whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,10 +32,10 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 from ..atomic_save import fsync_dir
+from .preemption import DEFAULT_GRACE_SECONDS, DEFAULT_SIGNALS, PreemptionCallback, last_complete_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -188,8 +193,24 @@ class FSDPModelSaveMixin:
         super()._save(output_dir, state_dict)
 
 
+def cpu_ranks_resume_refusal(args, sharded: bool, version: str | None = None) -> str | None:
+    """Why Transformers `version` (the installed one by default) cannot resume a multi-process run on the CPU (DDP
+    over gloo), or None: 5.17 loads the optimizer state with `map_location=args.device` (`cpu:0`), which torch cannot
+    restore (fixed in 5.18). FSDP and DeepSpeed load their own states."""
+    import transformers
+    from packaging.version import Version
+
+    version = version or transformers.__version__
+    if args.world_size > 1 and args.device.type == "cpu" and not sharded and Version(version) < Version("5.18.0"):
+        return (f"Resuming a run of {args.world_size} processes on the CPU needs Transformers >= 5.18: {version} loads "
+                "the optimizer state onto `cpu:0`, which torch cannot restore. `pip install -U 'transformers>=5.18'`.")
+    return None
+
+
 class ResumeMixin:
-    """Kept because of two things `Trainer.train(resume_from_checkpoint=...)` does (Transformers 5.24):
+    """Kept because of three things `Trainer.train(resume_from_checkpoint=...)` does (Transformers 5.17 to 5.25):
+    - with Transformers 5.17, several processes on the CPU fail to load the optimizer state deep in torch: refused
+      before anything loads, naming the release that works (`cpu_ranks_resume_refusal`);
     - it names the checkpoint it resumes from only at info level (hidden by default): one line is printed, on the
       main process, with the checkpoint's path and step;
     - it warns "There were missing keys in the checkpoint model loaded: ['lm_head.weight']" for every model with tied
@@ -199,8 +220,12 @@ class ResumeMixin:
       (`all_tied_weights_keys`, {target: source}) is left out of that warning; any other missing key is still named."""
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        if resume_from_checkpoint is True:  # as Trainer resolves it (it raises its own error when there is none)
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir) or True
+        if resume_from_checkpoint is True:  # the newest complete checkpoint (Trainer raises its own error without)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir) or True
+        refusal = isinstance(resume_from_checkpoint, (str, os.PathLike)) and cpu_ranks_resume_refusal(
+            self.args, sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled)
+        if refusal:
+            raise RuntimeError(refusal)
         if isinstance(resume_from_checkpoint, (str, os.PathLike)) and self.is_world_process_zero():
             state_file = os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)
             if os.path.isfile(state_file):  # else Trainer raises, naming the file
@@ -218,6 +243,74 @@ class ResumeMixin:
             load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in restored])
         super()._issue_warnings_after_load(load_result)
 
+
+DAT_MODEL_TYPES = ("dat", "dat_encoder", "dat_seq2seq", "dat_vision")
+
+
+def uses_every_parameter(model) -> bool:
+    """Whether every trainable parameter of `model` takes part in each training forward, so that DDP needs no search
+    for unused ones: true of every DAT model (each family, with or without either head type, every symbol retriever;
+    `tests/test_preemption.py` checks it), through PEFT's wrapper too, except a node classifier
+    (`num_node_features`: node features replace the token embeddings, which go unused); unknown (False) for other
+    models."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in DAT_MODEL_TYPES and not getattr(config, "num_node_features", None)
+
+
+@contextlib.contextmanager
+def _arguments_during(args, **values):
+    """Set fields of `args` for the duration of the block (Trainer's `__init__` reads them), then restore them."""
+    previous = {name: getattr(args, name) for name in values}
+    for name, value in values.items():
+        setattr(args, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(args, name, value)
+
+
+class PreemptionMixin:
+    """Kept because `--enable_jit_checkpoint` has `Trainer.__init__` (Transformers 5.17 to 5.25) install its
+    `JITCheckpointCallback`, which stops and saves in the signalled process alone (a hang when the signal reaches
+    only some ranks) and writes its marker into `checkpoint-N/` around the atomic save. Here Trainer is built with the
+    flag off and `PreemptionCallback` takes its place: every rank saves the same step through the atomic
+    `_save_checkpoint` and stops (`dat_hf.training.preemption`); `preemption` then describes the stop.
+
+    Args (keywords, beside Trainer's):
+        preemption_signals: the signals that stop training (default SIGTERM; names or numbers).
+        preemption_grace_seconds: how long a signalled process may take to stop and save before it exits anyway."""
+
+    def __init__(self, *args, preemption_signals=DEFAULT_SIGNALS,
+                 preemption_grace_seconds: float = DEFAULT_GRACE_SECONDS, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        jit = training_args is not None and training_args.enable_jit_checkpoint
+        with _arguments_during(training_args, enable_jit_checkpoint=False) if jit else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)
+        self.preemption_callback = None
+        if jit:
+            self.preemption_callback = PreemptionCallback(self, preemption_signals, preemption_grace_seconds)
+            self.add_callback(self.preemption_callback)
+
+    @property
+    def preemption(self):
+        """The `Preemption` that stopped the last `train()` (signal, ranks, step, checkpoint), or None."""
+        return self.preemption_callback.preemption if self.preemption_callback is not None else None
+
+
+class UsedParametersMixin:
+    """Kept because, with `ddp_find_unused_parameters` unset, `Trainer.__init__` asks DDP to search every step for
+    parameters the forward did not use (and DDP warns each run that it found none). A DAT model uses them all
+    (`uses_every_parameter`): its Trainer is built with `ddp_find_unused_parameters=False`. An explicit
+    `--ddp_find_unused_parameters` is kept."""
+
+    def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        model = kwargs.get("model", args[0] if args else None)
+        search = (training_args is not None and training_args.ddp_find_unused_parameters is None
+                  and uses_every_parameter(model))
+        with _arguments_during(training_args, ddp_find_unused_parameters=False) if search else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)
 
 def fsdp_fallback_warning(args, accelerator) -> str | None:
     """The warning for an FSDP request that runs without FSDP on the CPU (see `FSDPOnCPUWarningMixin`), else None."""
@@ -277,10 +370,13 @@ def start_deepspeed_comm_on_cpu(training_args) -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
-class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, ResumeMixin, FSDPOnCPUWarningMixin, Trainer):
+class AtomicCheckpointTrainer(AtomicCheckpointMixin, FSDPModelSaveMixin, ResumeMixin, PreemptionMixin,
+                              UsedParametersMixin, FSDPOnCPUWarningMixin, Trainer):
     """`transformers.Trainer` with atomic checkpoints (see `AtomicCheckpointMixin`) that saves a full, loadable model
-    under FSDP too (see `FSDPModelSaveMixin`), says what it resumes from (see `ResumeMixin`) and warns when an FSDP
-    request runs without FSDP, on the CPU (see `FSDPOnCPUWarningMixin`)."""
+    under FSDP too (see `FSDPModelSaveMixin`), says what it resumes from (see `ResumeMixin`), stops every rank at one
+    step on a preemption signal (see `PreemptionMixin`), runs DDP without the search for unused parameters (see
+    `UsedParametersMixin`) and warns when an FSDP request runs without FSDP, on the CPU
+    (see `FSDPOnCPUWarningMixin`)."""
 
 
 def list_metrics() -> list[str]:
@@ -316,6 +412,10 @@ __all__ = [
     "fsdp_fallback_warning",
     "start_deepspeed_comm_on_cpu",
     "ResumeMixin",
+    "cpu_ranks_resume_refusal",
+    "PreemptionMixin",
+    "UsedParametersMixin",
+    "uses_every_parameter",
     "list_metrics",
     "load_metric",
 ]
