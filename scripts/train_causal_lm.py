@@ -325,30 +325,31 @@ def main(args=None, callbacks=None):
             },
         )
         card.save(os.path.join(training_args.output_dir, "README.md"))
-    if trained and training_args.should_save:
-        with open(os.path.join(training_args.output_dir, "training_run.json"), "w", encoding="utf-8") as f:
-            json.dump({"status": "finished", **run_record(trainer, results, model_args, data_args)}, f, indent=2)
+    if trained:
+        save_run_record(trainer, results, model_args, data_args)
     results["trainer"] = trainer
     return results
 
 
-def run_record(trainer, results, model_args, data_args) -> dict:
-    """What `training_run.json` says of the run (beside its status)."""
-    return {"data": describe_data(data_args), "num_parameters": results["num_parameters"],
-            "config_name": model_args.model_name_or_path or model_args.config_name,
-            "block_size": data_args.block_size, "steps": trainer.state.global_step,
-            "world_size": trainer.args.world_size}
+def save_run_record(trainer, results, model_args, data_args) -> None:
+    """`training_run.json` (on the saving process): "finished", or "stopped" with the `Preemption` (the signal, the
+    ranks it reached, the step, the checkpoint), then the run's data, model and sizes."""
+    if not trainer.args.should_save:
+        return
+    status = trainer.preemption.record() if trainer.preemption is not None else {"status": "finished"}
+    with open(os.path.join(trainer.args.output_dir, "training_run.json"), "w", encoding="utf-8") as f:
+        json.dump({**status, "data": describe_data(data_args), "num_parameters": results["num_parameters"],
+                   "config_name": model_args.model_name_or_path or model_args.config_name,
+                   "block_size": data_args.block_size, "steps": trainer.state.global_step,
+                   "world_size": trainer.args.world_size}, f, indent=2)
 
 
 def stopped_run(trainer, results, model_args, data_args) -> dict:
     """A run stopped by a signal (`trainer.preemption`): every rank saved the same checkpoint; `training_run.json`
-    says "stopped" (the signal, the ranks it reached, the step, the checkpoint); no model, metrics or card are written
-    as for a finished run. `results["stopped"]` is the `Preemption` (its `exit_code`: 128 + the signal's number)."""
-    stop = trainer.preemption
-    if trainer.args.should_save:
-        with open(os.path.join(trainer.args.output_dir, "training_run.json"), "w", encoding="utf-8") as f:
-            json.dump({**stop.record(), **run_record(trainer, results, model_args, data_args)}, f, indent=2)
-    results.update(stopped=stop, trainer=trainer, log_history=trainer.state.log_history)
+    says "stopped"; no model, metrics or card are written as for a finished run. `results["stopped"]` is the
+    `Preemption` (its `exit_code`: 128 + the signal's number)."""
+    save_run_record(trainer, results, model_args, data_args)
+    results.update(stopped=trainer.preemption, trainer=trainer, log_history=trainer.state.log_history)
     return results
 
 

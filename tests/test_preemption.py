@@ -57,18 +57,25 @@ def fake_checkpoint(folder: Path, step: int) -> Path:
     return folder
 
 
-def truncate(path: Path, keep: int):
-    path.write_bytes(path.read_bytes()[:keep])
+def truncate(path: Path):
+    """Cut a file to half its length (a save killed while writing it)."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def marker_only(folder: Path):
+    """What Transformers' JIT checkpoint leaves when it is stopped: the folder holding only its marker."""
+    for path in folder.iterdir():
+        path.unlink()
+    (folder / INCOMPLETE_MARKER).write_text("Checkpoint started at step 8 and in progress...")
 
 
 DAMAGES = {  # how a checkpoint folder can be left, and the reason `checkpoint_problem` names
-    "marker only": (lambda f: [p.unlink() for p in f.iterdir()] and (f / INCOMPLETE_MARKER).write_text("..."),
-                    INCOMPLETE_MARKER),
-    "marker beside the files": (lambda f: (f / INCOMPLETE_MARKER).write_text("..."), INCOMPLETE_MARKER),
-    "truncated safetensors": (lambda f: truncate(f / "model.safetensors", 100), "model.safetensors is truncated"),
+    "marker only": (marker_only, f"it holds {INCOMPLETE_MARKER}"),
+    "marker beside the files": (lambda f: (f / INCOMPLETE_MARKER).write_text("..."), f"it holds {INCOMPLETE_MARKER}"),
+    "truncated safetensors": (lambda f: truncate(f / "model.safetensors"), "model.safetensors is truncated"),
     "safetensors header": (lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 64),
                            "model.safetensors is damaged"),
-    "truncated torch file": (lambda f: truncate(f / "optimizer.pt", 40), "optimizer.pt is truncated or damaged"),
+    "truncated torch file": (lambda f: truncate(f / "optimizer.pt"), "optimizer.pt is truncated or damaged"),
     "no trainer state": (lambda f: (f / "trainer_state.json").unlink(), "no trainer_state.json"),
     "damaged trainer state": (lambda f: (f / "trainer_state.json").write_text("{"), "trainer_state.json is damaged"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "no model weights"),

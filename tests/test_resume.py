@@ -123,39 +123,25 @@ def test_only_tied_missing_keys_are_left_out_of_the_load_warning(tied, tmp_path)
     assert warnings == [f"There were missing keys in the checkpoint model loaded: {named}."]
 
 
-DAMAGES = {  # how a preempted or crashed save can leave the newest checkpoint, as `last` meets it
-    "only Transformers' marker": "marker",
-    "a truncated model.safetensors": "truncated",
-    "no trainer_state.json": "no state",
-}
+DAMAGED = ("marker only", "truncated safetensors", "no trainer state")  # (test_preemption.DAMAGES)
 
 
-@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("damage", DAMAGED)
 def test_last_resumes_from_the_checkpoint_before_a_damaged_newest_one(uninterrupted, tmp_path, damage, capsys,
                                                                      caplog):
-    """The newest checkpoint left incomplete or damaged: `last` resumes from the one before, names the folder it
-    skipped and why in one line, and the run still ends with the uninterrupted run's weights and losses."""
+    """The newest checkpoint left incomplete or damaged (as a preempted or crashed save leaves it): `last` resumes
+    from the one before, names the folder it skipped and why in one line, and the run still ends with the
+    uninterrupted run's weights and losses."""
     import shutil
 
-    from dat_hf.training.preemption import INCOMPLETE_MARKER
+    from test_preemption import DAMAGES
 
     done, digest, losses = uninterrupted
     out = tmp_path / "run"
     for step in (4, 8):
         shutil.copytree(done / f"checkpoint-{step}", out / f"checkpoint-{step}")
-    newest = out / "checkpoint-8"
-    if DAMAGES[damage] == "marker":
-        shutil.rmtree(newest)
-        newest.mkdir()
-        (newest / INCOMPLETE_MARKER).write_text("Checkpoint started at step 8 and in progress...")
-        reason = f"it holds {INCOMPLETE_MARKER}"
-    elif DAMAGES[damage] == "truncated":
-        weights = newest / "model.safetensors"
-        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-        reason = "model.safetensors is truncated"
-    else:
-        (newest / "trainer_state.json").unlink()
-        reason = "no trainer_state.json"
+    apply, reason = DAMAGES[damage]
+    apply(out / "checkpoint-8")
     capsys.readouterr()
     with caplog.at_level("WARNING", logger="dat_hf.training.preemption"):
         resumed_digest, resumed_losses = resume(out)

@@ -33,6 +33,8 @@ import zipfile
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -40,8 +42,7 @@ logger = logging.get_logger(__name__)
 DEFAULT_SIGNALS = ("SIGTERM",)
 DEFAULT_GRACE_SECONDS = 60.0
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"  # written by Transformers' JIT checkpoint while it saves
-CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")  # as `transformers.trainer_utils.PREFIX_CHECKPOINT_DIR` names
-TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 WEIGHTS = re.compile(r".*\.(safetensors|bin)$|pytorch_model_fsdp_\d+|global_step\d+")  # any layout Trainer saves
 
 
@@ -83,7 +84,7 @@ class Preemption:
     ranks: list[int]
     step: int
     max_steps: int
-    checkpoint: str | None = None
+    checkpoint: str
 
     @property
     def exit_code(self) -> int:
@@ -91,9 +92,8 @@ class Preemption:
         return 128 + signal.Signals[self.signal].value
 
     def message(self) -> str:
-        saved = f"saved {self.checkpoint}" if self.checkpoint else "no checkpoint saved"
         return (f"Training stopped by {self.signal} (received by rank {', '.join(map(str, self.ranks))}) at step "
-                f"{self.step} of {self.max_steps}: {saved}. Relaunch the same command with "
+                f"{self.step} of {self.max_steps}: saved {self.checkpoint}. Relaunch the same command with "
                 "`--resume_from_checkpoint last` to continue.")
 
     def record(self) -> dict:
@@ -191,8 +191,8 @@ class PreemptionCallback(TrainerCallback):
         self._install()
 
     def on_step_end(self, args, state, control, **kwargs):
-        by_rank = self._signals_by_rank()
-        if not any(by_rank) or self.preemption is not None:
+        by_rank = self._signals_by_rank()  # (every rank, every step: the ranks' collectives stay paired)
+        if not any(by_rank):
             return
         ranks = [rank for rank, signum in enumerate(by_rank) if signum]
         name = signal.Signals(by_rank[ranks[0]]).name
@@ -265,14 +265,14 @@ def checkpoint_problem(folder) -> str | None:
     folder = os.fspath(folder)
     if os.path.exists(os.path.join(folder, INCOMPLETE_MARKER)):
         return f"it holds {INCOMPLETE_MARKER} (a save that did not finish)"
-    state = os.path.join(folder, TRAINER_STATE)
+    state = os.path.join(folder, TRAINER_STATE_NAME)
     if not os.path.isfile(state):
-        return f"no {TRAINER_STATE}"
+        return f"no {TRAINER_STATE_NAME}"
     try:
         with open(state, encoding="utf-8") as f:
             json.load(f)["global_step"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return f"{TRAINER_STATE} is damaged"
+        return f"{TRAINER_STATE_NAME} is damaged"
     names = os.listdir(folder)
     if not any(WEIGHTS.fullmatch(name) for name in names):
         return "no model weights"
