@@ -197,17 +197,20 @@ def in_ci_leg(item, leg: str, legs: dict) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """With `--ci-leg`, deselect what that leg of CI does not run. Then (an xdist worker, `--dist loadgroup`) the
-    `xdist_group` of each item, as the `@group` suffix of its node id by which the controller groups them, where
-    pytest-xdist's own suffix did not take: on pytest 9.2, whose node ids are structured, xdist 3.8 still writes the
-    former `_nodeid` field and the groups are silently lost (pytest-xdist issue 1386); once xdist sets it, the id
-    already ends with it and nothing is done here."""
+    """With `--ci-leg`, deselect what that leg of CI does not run; `slow` tests get an hour's timeout. Then (an xdist
+    worker, `--dist loadgroup`) the `xdist_group` of each item, as the `@group` suffix of its node id by which the
+    controller groups them, where pytest-xdist's own suffix did not take: on pytest 9.2, whose node ids are
+    structured, xdist 3.8 still writes the former `_nodeid` field and the groups are silently lost (pytest-xdist issue
+    1386); once xdist sets it, the id already ends with it and nothing is done here."""
     leg = config.getoption("--ci-leg")
     if leg is not None:
         legs = ci_legs()
         selected = {item: in_ci_leg(item, leg, legs) for item in items}
         config.hook.pytest_deselected(items=[item for item, keep in selected.items() if not keep])
         items[:] = [item for item, keep in selected.items() if keep]
+    for item in items:  # (a quality run trains for minutes: an hour, in place of setup.cfg's timeout)
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(3600))
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:

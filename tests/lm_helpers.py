@@ -3,6 +3,7 @@ and the argument list of a tiny `scripts/train_causal_lm.py` run."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -124,19 +125,62 @@ def losses_by_step(log_history) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in log_history if "loss" in h and "step" in h}
 
 
-def run_group(cmd, timeout, **kwargs):
-    """`subprocess.run` in a new process group; on timeout the whole group (e.g. torchrun and its workers) is
-    killed, not only the parent."""
-    import signal
+TREE_VARIABLE = "DAT_HF_TEST_PROCESS_TREE"
+
+
+def tagged_env(env: dict | None = None) -> tuple[dict, str]:
+    """(`env` with a tag of its own, the tag): every process started with it, and every process those start
+    (torchrun's workers, in sessions of their own; orphans too), inherits the tag, by which `kill_tagged` finds them."""
+    import uuid
+
+    tag = uuid.uuid4().hex
+    return {**(os.environ if env is None else env), TREE_VARIABLE: tag}, tag
+
+
+def tagged_processes(tag: str) -> list:
+    """The running processes (psutil.Process) started with `tag` (`tagged_env`)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.pid != os.getpid() and p.environ().get(TREE_VARIABLE) == tag and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+    return found
+
+
+def kill_tagged(tag: str) -> str:
+    """SIGKILL every process started with `tag` (`tagged_env`), stopped first so that none starts another unseen;
+    a line per process (pid, state before, command): the report of what was left running."""
+    import psutil
+
+    lines, found = [], {}
+    for _ in range(2):  # (again, for any started before its parent stopped)
+        for p in tagged_processes(tag):
+            if p.pid not in found:
+                with contextlib.suppress(psutil.Error):
+                    lines.append(f"{p.pid} ({p.status()}): {' '.join(p.cmdline())[:160]}")
+                    p.suspend()
+                    found[p.pid] = p
+    for p in found.values():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return "\n".join(lines)
+
+
+def run_group(cmd, timeout, env=None, **kwargs):
+    """`subprocess.run` of a command whose processes may start their own (torchrun's workers); on timeout every
+    process it started is killed, wherever it is (the error names them), so none holds the pipes open."""
     import subprocess
 
+    env, tag = tagged_env(env)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
+                            env=env, **kwargs)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd[:6]))} ...\n{stdout[-2000:]}"
-                             f"\n{stderr[-4000:]}")
+        killed = kill_tagged(tag)
+        stdout, stderr = proc.communicate(timeout=60)
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd[:6]))} ...\nkilled:\n{killed}\n"
+                             f"{stdout[-2000:]}\n{stderr[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -39,3 +39,36 @@ def test_torchrun_two_process_ddp(tmp_path):
     assert (out / "checkpoint-6" / "trainer_state.json").is_file() and (out / "checkpoint-12").is_dir()
     assert {p.name for p in (out / "checkpoint-12").glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
     assert not (out / ".staging").exists()
+
+
+STUCK_LAUNCHER = """
+import subprocess, sys, time
+# a worker as torchrun starts one: in a session of its own, writing to the launcher's pipes, stuck
+subprocess.Popen([sys.executable, "-c", "import time; print('worker', flush=True); time.sleep(600)"],
+                 start_new_session=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.integration
+def test_a_timed_out_launch_kills_its_workers_in_their_own_sessions():
+    """`run_group`, which every torchrun test runs through: past its timeout it kills the launcher and its workers
+    (torchrun starts each in a session of its own), so a stuck worker cannot hold the pipes open and the test ends."""
+    from lm_helpers import TREE_VARIABLE, tagged_processes
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 5 s(.|\n)*killed:\n\d+ \(\w+\): .*python -c(.|\n)*"
+                                             r"\d+ \(\w+\): .*print\('worker'"):
+        run_group([sys.executable, "-c", STUCK_LAUNCHER], timeout=5, env=subprocess_env())
+    assert time.monotonic() - start < 60
+    import psutil
+
+    def worker_left(p):
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE and "print('worker'" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    time.sleep(0.5)  # (SIGKILL is delivered at once; the process may take a moment to be gone)
+    assert not [p for p in psutil.process_iter() if worker_left(p)]
+    assert TREE_VARIABLE not in subprocess_env() and not tagged_processes("no such tag")  # (each launch its own tag)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lm_helpers import REPO_ROOT, subprocess_env, train_args
+from lm_helpers import REPO_ROOT, kill_tagged, subprocess_env, tagged_env, tagged_processes, train_args
 from safetensors.torch import load_file, save_file
 
 from dat_hf.training.preemption import (
@@ -310,10 +310,11 @@ class Job:
     def __init__(self, commands: list[list[str]], folder: Path, name: str, env: dict):
         self.logs = [folder / f"{name}-{i}.log" for i in range(len(commands))]
         self.agents = []
+        env, self.tag = tagged_env(subprocess_env(**env))
         for cmd, log in zip(commands, self.logs):
             with open(log, "w") as f:
-                self.agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                                    env=subprocess_env(**env), start_new_session=True))
+                self.agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                                    start_new_session=True))
 
     def output(self) -> str:
         return "\n".join(log.read_text(errors="replace") for log in self.logs)
@@ -340,17 +341,17 @@ class Job:
         """Every agent's exit status; the whole job killed (and the test failed) past `timeout` seconds."""
         deadline = time.monotonic() + timeout
         try:
-            return [agent.wait(timeout=max(0.1, deadline - time.monotonic())) for agent in self.agents]
+            codes = [agent.wait(timeout=max(0.1, deadline - time.monotonic())) for agent in self.agents]
         except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the job did not exit within {timeout:.0f} s:\n{self.output()[-6000:]}") from None
+            killed = self.kill()
+            raise AssertionError(f"the job did not exit within {timeout:.0f} s (killed:\n{killed})\n"
+                                 f"{self.output()[-6000:]}") from None
+        assert not (left := self.kill()), f"processes of the job left running after its agents:\n{left}"
+        return codes
 
-    def kill(self):
-        for agent in self.agents:
-            try:
-                os.killpg(agent.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def kill(self) -> str:
+        """Kill every process of the job (agents and workers, each worker in a session of its own); which."""
+        return kill_tagged(self.tag)
 
 
 def launch(kind: str, out: Path, name: str) -> Job:
@@ -414,8 +415,8 @@ def deliver(job: Job, sig: signal.Signals, whom: str) -> list[int]:
     if whom == "agent of rank 1":
         os.kill(agent, sig)
         return sorted(rank for rank, (_, parent) in workers.items() if parent == agent)
-    for a in job.agents:  # as a scheduler ends a job: every process of it (the agents' sessions hold their workers)
-        os.killpg(a.pid, sig)
+    for process in tagged_processes(job.tag):  # as a scheduler ends a job: every process of it, agents and workers
+        process.send_signal(sig)
     return sorted(workers)
 
 
