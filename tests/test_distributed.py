@@ -5,8 +5,9 @@ import json
 import sys
 import time
 
+import psutil
 import pytest
-from lm_helpers import REPO_ROOT, run_group, subprocess_env, train_args
+from lm_helpers import REPO_ROOT, TREE_VARIABLE, run_group, subprocess_env, tagged_processes, train_args
 
 
 @pytest.mark.integration
@@ -54,14 +55,11 @@ time.sleep(600)
 def test_a_timed_out_launch_kills_its_workers_in_their_own_sessions():
     """`run_group`, which every torchrun test runs through: past its timeout it kills the launcher and its workers
     (torchrun starts each in a session of its own), so a stuck worker cannot hold the pipes open and the test ends."""
-    from lm_helpers import TREE_VARIABLE, tagged_processes
-
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"timed out after 5 s(.|\n)*killed:\n\d+ \(\w+\): .*python -c(.|\n)*"
                                              r"\d+ \(\w+\): .*print\('worker'"):
         run_group([sys.executable, "-c", STUCK_LAUNCHER], timeout=5, env=subprocess_env())
     assert time.monotonic() - start < 60
-    import psutil
 
     def worker_left(p):
         try:

@@ -16,6 +16,7 @@ family using every parameter in a training forward.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from lm_helpers import REPO_ROOT, kill_tagged, subprocess_env, tagged_env, tagged_processes, train_args
@@ -323,18 +325,10 @@ class Job:
         """{global rank: (worker pid, its agent's pid)} of the running workers (their parent is an agent)."""
         agents = {agent.pid for agent in self.agents}
         found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if parent not in agents:
-                    continue
-                env = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
-            except (OSError, IndexError, ValueError):
-                continue
-            if "RANK" in env:
-                found[int(env["RANK"])] = (int(entry.name), parent)
+        for process in tagged_processes(self.tag):
+            with contextlib.suppress(psutil.Error):
+                if process.ppid() in agents and "RANK" in (env := process.environ()):
+                    found[int(env["RANK"])] = (process.pid, process.ppid())
         return found
 
     def wait(self, timeout: float) -> list[int]:
