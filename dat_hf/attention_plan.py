@@ -10,11 +10,12 @@
 """
 
 import copy
+import weakref
 from typing import NamedTuple
 
 import torch
 
-from .kernel_hooks import BACKENDS, replaceable
+from .kernel_hooks import BACKENDS
 from .masking_dat import AttentionMask
 from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, select_relational_attention
 # (the import registers the `sdpa` and `flex_attention` relational backends)
@@ -85,6 +86,10 @@ class PlannedAttention:
         moved = copy.copy(self)
         moved._place(source)
         return moved
+
+    def reuse(self) -> None:
+        """Drop the explicit masks formed per shape (this entry serves another forward)."""
+        self._dense = {}
 
     def weights_mask(self, q_len: int, kv_len: int, device):
         """The explicit mask `[b|1, 1, q, kv]` or None, formed once per shape and forward."""
@@ -178,11 +183,71 @@ def sensory_function(config, output_attentions: bool) -> tuple:
 PLAN_ENTRIES = BACKENDS.of("plan_entries")
 
 
+class PlanReads(NamedTuple):
+    """Everything `AttentionPlan` is built from besides the masks: the forward's biases, device, dtype and query
+    length, its flags, the config fields the plan reads, the sensory function resolved, and the registry's entries
+    (`registry_state`). A plan is a function of these and the masks, so a plan over implicit masks (causal order or
+    nothing: no tensor) serves every later forward whose reads are equal (`plan_attention`)."""
+
+    sensory_biases: tuple
+    relational_biases: tuple
+    device: torch.device
+    dtype: torch.dtype
+    query_length: int
+    output_attentions: bool
+    requires_grad: bool
+    dropout: float
+    implementation: str
+    sensory_backend: object  # (the resolved `Backend`)
+    requested: str | None  # `relational_attn_implementation`
+    relation_activation: str
+    relative_symbols: bool
+    per_request: bool  # one receiver per row (continuous batching's decoding steps)
+    autocast: tuple  # (enabled, dtype)
+    compiling: bool  # (or exporting)
+    registry: tuple
+
+    @classmethod
+    def of(cls, masks: dict, config, query_like: torch.Tensor, output_attentions: bool = False,
+           requires_grad: bool = False, training: bool = False, sensory_biases=None, relational_biases=None,
+           relative_symbols: bool | None = None, per_request: bool = False) -> "PlanReads":
+        """What a plan over `masks` reads (arguments as `AttentionPlan.build`'s)."""
+        implementation, backend = sensory_function(config, output_attentions)
+        device = query_like.device.type
+        autocast = torch.is_autocast_enabled(device) if device in ("cpu", "cuda") else False
+        if relative_symbols is None:
+            relative_symbols = config.symbol_retrieval == "position_relative"
+        compiling = torch.compiler.is_compiling() or torch.compiler.is_exporting()  # (no plan is reused: no registry)
+        return cls(tuple(dict.fromkeys(masks if sensory_biases is None else sensory_biases)),
+                   tuple(dict.fromkeys(masks if relational_biases is None else relational_biases)),
+                   query_like.device, query_like.dtype, query_like.shape[1], output_attentions, requires_grad,
+                   config.attention_dropout if training else 0.0, implementation, backend,
+                   getattr(config, "relational_attn_implementation", None), config.relation_activation,
+                   relative_symbols, per_request, (autocast, autocast and torch.get_autocast_dtype(device)),
+                   compiling, () if compiling else registry_state())
+
+    def call(self, mask: AttentionMask) -> RelationalCall:
+        """The relational heads' call over `mask` (per bias)."""
+        enabled, autocast_dtype = self.autocast
+        return RelationalCall(self.device.type, autocast_dtype if enabled else self.dtype,
+                              1 if self.per_request else self.query_length, self.requires_grad,
+                              self.output_attentions, self.relation_activation, self.relative_symbols, self.dropout,
+                              mask, enabled, torch.compiler.is_compiling())
+
+
+def registry_state() -> tuple:
+    """The registry entries a plan reads: the relational backends (and those taken out of automatic selection), the
+    sensory functions and the plan's entry classes."""
+    return (tuple(RELATIONAL_ATTENTION_FUNCTIONS.items()), tuple(RELATIONAL_ATTENTION_FUNCTIONS.unavailable.items()),
+            tuple(SENSORY_ATTENTION_FUNCTIONS.items()), tuple(PLAN_ENTRIES.items()))
+
+
 class AttentionPlan(NamedTuple):
-    """`{bias: PlannedSensory}` and `{bias: PlannedRelational}` for one forward."""
+    """`{bias: PlannedSensory}` and `{bias: PlannedRelational}` for one forward, and what they were built from."""
 
     sensory: dict
     relational: dict
+    reads: PlanReads | None = None
 
     @classmethod
     def build(cls, masks: dict, config, query_like: torch.Tensor, output_attentions: bool = False,
@@ -190,34 +255,56 @@ class AttentionPlan(NamedTuple):
               relative_symbols: bool | None = None, per_request: bool = False) -> "AttentionPlan":
         """The plan over `masks` (`{bias: AttentionMask}`) for each head type's biases (default: all). `query_like`:
         the forward's device and dtype, q in dim 1; `per_request`: one receiver per row (continuous batching)."""
-        sensory_biases = masks if sensory_biases is None else sensory_biases
-        relational_biases = masks if relational_biases is None else relational_biases
-        dropout = config.attention_dropout if training else 0.0
-        implementation, backend = sensory_function(config, output_attentions)
-        name = "eager" if backend is SENSORY_ATTENTION_FUNCTIONS["eager"] else implementation
+        return cls.of_reads(masks, PlanReads.of(masks, config, query_like, output_attentions, requires_grad, training,
+                                                sensory_biases, relational_biases, relative_symbols, per_request))
+
+    @classmethod
+    def of_reads(cls, masks: dict, reads: PlanReads) -> "AttentionPlan":
+        """The plan over `masks` from `reads` alone (nothing else is read)."""
+        backend = reads.sensory_backend
+        name = "eager" if backend is SENSORY_ATTENTION_FUNCTIONS["eager"] else reads.implementation
         planned_sensory = PLAN_ENTRIES.installed("sensory", PlannedSensory)
         planned_relational = PLAN_ENTRIES.installed("relational", PlannedRelational)
-        sensory = {bias: planned_sensory(masks[bias], name, backend.function, backend.mask_format, output_attentions)
-                   for bias in dict.fromkeys(sensory_biases)}
-        if relative_symbols is None:
-            relative_symbols = config.symbol_retrieval == "position_relative"
-        requested = getattr(config, "relational_attn_implementation", None)
+        sensory = {bias: planned_sensory(masks[bias], name, backend.function, backend.mask_format,
+                                         reads.output_attentions) for bias in reads.sensory_biases}
         relational = {}
-        for bias in dict.fromkeys(relational_biases):
-            mask = masks[bias].rows_as_batch() if per_request else masks[bias]
-            call = RelationalCall.of_forward(query_like, 1 if per_request else query_like.shape[1], requires_grad,
-                                             output_attentions, config.relation_activation, relative_symbols, dropout,
-                                             mask)
-            relational[bias] = planned_relational(mask, call, requested, implementation, per_request)
-        return cls(sensory, relational)
+        for bias in reads.relational_biases:
+            mask = masks[bias].rows_as_batch() if reads.per_request else masks[bias]
+            relational[bias] = planned_relational(mask, reads.call(mask), reads.requested, reads.implementation,
+                                                  reads.per_request)
+        return cls(sensory, relational, reads)
+
+    def serves(self, masks: dict, reads: PlanReads) -> bool:
+        """Whether this plan is the one `masks` and `reads` would build: equal reads, and masks that are all
+        implicit (causal order or nothing) with this plan's order; never while tracing."""
+        if reads.compiling or reads != self.reads:
+            return False
+        entries = {**self.sensory, **self.relational}
+        return all(mask.implicit and bias in entries and entries[bias].source.implicit
+                   and entries[bias].is_causal == mask.is_causal for bias, mask in masks.items())
+
+    def reused(self) -> "AttentionPlan":
+        """This plan for one more forward (each entry's explicit masks, formed per shape, dropped)."""
+        for entry in (*self.sensory.values(), *self.relational.values()):
+            entry.reuse()
+        return self
 
 
-@replaceable("plan_attention")
-def plan_attention(model, *inputs, per_request: bool = False) -> AttentionPlan:
-    """`model`'s plan for this forward, `AttentionPlan.build(*inputs, per_request=per_request)`; `import dat_hf`
-    installs one that serves a decoding step the last step's plan when nothing it reads changed
-    (`dat_hf/kernels/plan_reuse.py`)."""
-    return AttentionPlan.build(*inputs, per_request=per_request)
+# each model's last plan, which serves the next forward while it `serves` it (decoding steps)
+_LAST_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, AttentionPlan]" = weakref.WeakKeyDictionary()
+
+
+def plan_attention(model, masks: dict, *inputs, per_request: bool = False) -> AttentionPlan:
+    """`model`'s plan for this forward (`AttentionPlan.build(masks, *inputs, per_request=per_request)`): the last
+    forward's plan where it serves this one (a decoding step over implicit masks), else a new one."""
+    reads = PlanReads.of(masks, *inputs, per_request=per_request)
+    if reads.compiling:
+        return AttentionPlan.of_reads(masks, reads)
+    last = _LAST_PLANS.get(model)
+    if last is not None and last.serves(masks, reads):
+        return last.reused()
+    plan = _LAST_PLANS[model] = AttentionPlan.of_reads(masks, reads)
+    return plan
 
 
 def gradients_flow(model, inputs_embeds: torch.Tensor) -> bool:
@@ -227,5 +314,5 @@ def gradients_flow(model, inputs_embeds: torch.Tensor) -> bool:
     return inputs_embeds.requires_grad or any(p.requires_grad for p in model.parameters())
 
 
-__all__ = ["MASK_FORMATS", "PLAN_ENTRIES", "AttentionPlan", "KernelMask", "PlannedRelational", "PlannedSensory",
-           "gradients_flow", "mask_in_format", "plan_attention"]
+__all__ = ["MASK_FORMATS", "PLAN_ENTRIES", "AttentionPlan", "KernelMask", "PlanReads", "PlannedRelational",
+           "PlannedSensory", "gradients_flow", "mask_in_format", "plan_attention", "registry_state"]

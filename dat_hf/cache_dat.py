@@ -7,8 +7,9 @@ slot `[b, 1, n, width]`, so keys and values have their own head counts), the lay
 caches (`prepare_cache`), and continuous batching (`PagedCache` over Transformers' `PagedAttentionCache`, each bias's
 mask over the packed requests, `continuous_batching_limits`: what it cannot serve).
 
-The model meets it through `open_cache` (a forward's cache), `packed_update` (a layer's write and read),
-`receiver_slots` (where the receivers sit among the keys) and `paged_masks`.
+The model meets it through one object per forward, `ForwardCache` (`open_cache`; `PagedCache` for continuous
+batching): the forward asks it for its masks, each layer for its write and read (`update`), its receivers' slots and
+its cross-attention's source; it never asks which cache it has.
 
 Faster layers are installed by `import dat_hf` (`dat_hf.kernels.caches`) in `CACHE_LAYERS`, the one registry's table
 `BACKENDS.of("cache_layers")`: "dynamic" (a class of `capacity`) for `DynamicLayer`s, "static_sliding" for
@@ -24,8 +25,9 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, Dynamic
                                       StaticCache, StaticLayer, StaticSlidingWindowLayer)
 from transformers.masking_utils import and_masks, sliding_window_causal_mask_function
 
-from .kernel_hooks import BACKENDS, replaceable
-from .masking_dat import AttentionMask, transformers_window, with_row_validity
+from .kernel_hooks import BACKENDS, check_inputs, replaceable
+from .masking_dat import (AttentionMask, build_masks, prebuilt_masks, transformers_window, uses_flex_attention,
+                          with_row_validity)
 from .relational_biases import RELATIONAL_BIASES, mask_function_of, pair_mask, relational_bias
 from .transformers_compat import PagedAttentionCache, paged_cache_limits
 
@@ -67,19 +69,9 @@ class PackedCache:
 
 
 def packed_update(cache, packed: PackedCache, keys, values: list, layer_idx: int):
-    """Write one layer's keys `[b, h_k, n, d_h]` and flat values `[b, n, width]` (`packed`'s order) into `cache` and
-    read back all it holds -> `packed.views`' keys per head type and values. No cache: the new states' views; a
-    `PagedCache` writes its pages; a dynamic cache's layer with an `update_packed` (the registered "dynamic" layer)
-    takes the parts unpacked."""
-    if cache is None:
-        return packed.views(keys, values)
-    if isinstance(cache, PagedCache):
-        return cache.update_packed(packed, keys, values, layer_idx)
-    layers = cache.layers if type(cache) is DynamicCache else ()
-    update_packed = getattr(layers[layer_idx], "update_packed", None) if layer_idx < len(layers) else None
-    if update_packed is not None:
-        return update_packed(packed, keys, values)
-    return packed.unpack(*cache.update(*packed.pack([keys], values), layer_idx))
+    """Write one layer's keys `[b, h_k, n, d_h]` and flat values `[b, n, width]` (`packed`'s order) into `cache` (a
+    forward's `ForwardCache`, or none) and read back all it holds -> `packed.views`' keys per head type and values."""
+    return forward_cache(cache).update(packed, keys, values, layer_idx)
 
 
 # ---- the layers of Transformers' caches -------------------------------------------------------------------------
@@ -171,38 +163,116 @@ def self_attention_cache(cache):
     return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
 
-def open_cache(cache, config, position_ids, start: bool, kwargs: dict):
-    """The cache one decoder forward reads and writes -> (cache, the tokens it held before this forward):
-    continuous batching's `PagedAttentionCache` as this batch's `PagedCache` (its arguments taken out of `kwargs`);
-    with `start`, a new `DynamicCache` (an `EncoderDecoderCache` for an encoder-decoder config); a given cache with
-    DAT's layers where unused (`prepare_cache`), checked (`check_cache`)."""
+class ForwardCache:
+    """One forward's cache, as the forward asks of it (`open_cache`): Transformers' cache (dynamic, static, sliding
+    window; for the seq2seq decoder an `EncoderDecoderCache`, its own half and the source's), or none. It answers:
+    the masks of the forward's biases (`masks`), a layer's write and read (`update`), where its receivers sit among
+    the keys (`receiver_slots`), the cross-attention's source keys and values (`source`), whether rows are requests
+    (`rows_are_requests`), the padding the inputs are checked against (`padding`), and what the forward returns
+    (`cache`). Continuous batching's `PagedCache` answers the same."""
+
+    rows_are_requests = False  # (continuous batching's decoding steps: each row is one request's receiver)
+
+    def __init__(self, cache: Cache | None = None):
+        self.cache = cache
+        self.own = self_attention_cache(cache)  # (the layers' own keys and values)
+        self.cross = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else None
+        self.past_seen = 0 if self.own is None else self.own.get_seq_length()
+
+    def padding(self, attention_mask):
+        """The caller's mask, as the inputs' padding to check."""
+        return attention_mask
+
+    def masks(self, biases, config, inputs_embeds, attention_mask, position_ids=None, graph_adjacency=None,
+              causal: bool = True) -> dict:
+        """`{bias: AttentionMask}` for each distinct bias: built once (`masking_dat.build_masks`), or handed over
+        (`attention_mask` a dict `{bias: mask}` from `create_masks_for_generate`)."""
+        if isinstance(attention_mask, dict):
+            return prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
+        check_inputs("graph_inputs", biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], self.own)
+        return build_masks(biases, config, inputs_embeds, attention_mask, self.own, position_ids, graph_adjacency,
+                           causal=causal)
+
+    def layer(self, layer_idx: int):
+        """The cache layer (Transformers' layer object) of self-attention layer `layer_idx`, or None."""
+        layers = () if self.own is None else self.own.layers
+        return layers[layer_idx] if layer_idx < len(layers) else None
+
+    def update(self, packed: PackedCache, keys, values: list, layer_idx: int):
+        """`packed_update`: no cache, the new states' views; a layer with an `update_packed` (`InPlaceCacheLayer`)
+        takes the parts unpacked; any other layer packs them (`Cache.update`)."""
+        if self.own is None:
+            return packed.views(keys, values)
+        update_packed = getattr(self.layer(layer_idx), "update_packed", None)
+        if update_packed is not None:
+            return update_packed(packed, keys, values)
+        return packed.unpack(*self.own.update(*packed.pack([keys], values), layer_idx))
+
+    def receiver_slots(self, layer_idx: int, query_length: int, clip: int) -> dict:
+        """Where this step's receivers sit among the keys `update` returns for `layer_idx` (read before it), for
+        position-relative symbols (`RelativeSymbols`' fields): `offset` (the first receiver's index) and `ring` (a ring
+        layer's slots); none without a cache."""
+        if self.own is None:
+            return {}
+        slots = getattr(self.layer(layer_idx), "receiver_slots", None)  # (a ring layer's)
+        if slots is not None:
+            return slots(query_length)
+        # (a copy: a static layer's count is updated in place)
+        offset = self.own.get_query_offset(layer_idx) - self.own.get_mask_sizes(query_length, layer_idx)[1]
+        return {"offset": torch.as_tensor(offset).clone()}
+
+    def source(self, packed: PackedCache, layer_idx: int, project):
+        """The cross-attention keys and values of layer `layer_idx`: those its cache layer holds, else `project()`'s
+        (keys per head type `[b, h_kv, m, d_h]`, flat values `[b, m, width]`), stored in the cache if there is one ->
+        keys per head type, value views (`PackedCache.value_views`)."""
+        cross = self.cross
+        if cross is not None and self.cache.is_updated.get(layer_idx):
+            layer = cross.layers[layer_idx]
+            return packed.unpack(layer.keys, layer.values)
+        keys, values = project()
+        if cross is None:
+            return keys, packed.value_views(values)
+        self.cache.is_updated[layer_idx] = True
+        return packed.unpack(*cross.update(*packed.pack(keys, values), layer_idx))
+
+    def holds_source(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s cross-attention cache layer holds the source's keys and values already."""
+        return self.cross is not None and bool(self.cache.is_updated.get(layer_idx))
+
+
+NO_CACHE = ForwardCache()
+
+
+def forward_cache(cache) -> ForwardCache:
+    """`cache` as a `ForwardCache`: itself, the no-cache view for None, else a view of the Transformers cache."""
+    if isinstance(cache, ForwardCache):
+        return cache
+    return NO_CACHE if cache is None else ForwardCache(cache)
+
+
+def open_cache(cache, config, position_ids, start: bool, kwargs: dict) -> ForwardCache:
+    """The cache one decoder forward reads and writes, as a `ForwardCache`: continuous batching's
+    `PagedAttentionCache` as this batch's `PagedCache` (its arguments taken out of `kwargs`); with `start`, a new
+    `DynamicCache` (an `EncoderDecoderCache` for an encoder-decoder config); a given cache with DAT's layers where
+    unused (`prepare_cache`), checked (`check_cache`)."""
     if isinstance(cache, PagedAttentionCache):
         arguments = {name: kwargs.pop(name) for name in PAGED_ARGUMENTS if name in kwargs}
-        return PagedCache(cache, arguments, position_ids, config), 0
+        return PagedCache(cache, arguments, position_ids, config)
+    if config.is_encoder_decoder and cache is not None and not isinstance(cache, EncoderDecoderCache):
+        raise ValueError(f"The seq2seq decoder needs an `EncoderDecoderCache` as `cache`, got {type(cache).__name__}.")
     if start:
         cache = DynamicCache(config=config)
         if config.is_encoder_decoder:  # (the seq2seq decoder: its own keys and values, the source's)
             cache = EncoderDecoderCache(cache, DynamicCache(config=config))
     if cache is None:
-        return None, 0
+        return NO_CACHE
     check_cache(prepare_cache(cache, in_place=start))  # (a user's dynamic cache keeps its layers)
-    return cache, self_attention_cache(cache).get_seq_length()
+    return ForwardCache(cache)
 
 
 def receiver_slots(cache, layer_idx: int, query_length: int, clip: int) -> dict:
-    """Where this step's receivers sit among the keys `packed_update` returns for `layer_idx` (read before it), for
-    position-relative symbols (`RelativeSymbols`' fields): `offset` (the first receiver's index) and `ring` (a ring
-    cache's slots), or `index` (rows per pair, long `[q, kv]`, continuous batching); none without a cache."""
-    if isinstance(cache, PagedCache):
-        return {"index": cache.relative_position_index(layer_idx, clip)}
-    if cache is None:
-        return {}
-    slots = getattr(cache.layers[layer_idx], "receiver_slots", None)  # (a ring layer's)
-    if slots is not None:
-        return slots(query_length)
-    # (a copy: a static layer's count is updated in place)
-    offset = cache.get_query_offset(layer_idx) - cache.get_mask_sizes(query_length, layer_idx)[1]
-    return {"offset": torch.as_tensor(offset).clone()}
+    """`ForwardCache.receiver_slots` of `cache` (a forward's view, or none)."""
+    return forward_cache(cache).receiver_slots(layer_idx, query_length, clip)
 
 
 # ---- continuous batching -----------------------------------------------------------------------------------------
@@ -211,19 +281,35 @@ PAGED_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
                    "block_table", "is_causal", "logits_indices", "logits_processor_args")
 
 
-class PagedCache:
-    """One continuous-batching forward over Transformers' `PagedAttentionCache`: one packed row of M new tokens
-    (`position_ids` `[1, M]`). DAT's packed token is zero-padded to `2 * num_key_value_heads * head_dim` and stored
-    as the cache's key and value halves."""
+class PagedCache(ForwardCache):
+    """One continuous-batching forward over Transformers' `PagedAttentionCache` (`cache`), as a `ForwardCache`: one
+    packed row of M new tokens of many requests (`position_ids` `[1, M]`). DAT's packed token is zero-padded to
+    `2 * num_key_value_heads * head_dim` and stored as the cache's key and value halves."""
 
     def __init__(self, cache, arguments: dict, position_ids: torch.Tensor, config):
-        self.cache, self.arguments = cache, arguments
+        self.cache, self.arguments, self.own, self.cross, self.past_seen = cache, arguments, None, None, 0
         self.position_ids = position_ids.reshape(-1)  # [M]
         # decoding steps: relational heads attend one receiver per row (`per_request`), except relative symbols
-        self.decoding = arguments.get("max_length_q") == 1 and config.symbol_retrieval != "position_relative"
+        self.rows_are_requests = (arguments.get("max_length_q") == 1
+                                  and config.symbol_retrieval != "position_relative")
         self._relative_index, self._key_positions = {}, {}
 
-    def update_packed(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
+    def padding(self, attention_mask):
+        """None: continuous batching's mask is each layer type's over the packed requests, not padding."""
+        return None
+
+    def masks(self, biases, config, inputs_embeds, attention_mask, *args, **kwargs) -> dict:
+        """Each bias's mask over the packed requests (`paged_masks`)."""
+        return paged_masks(attention_mask, config, self)
+
+    def receiver_slots(self, layer_idx: int, query_length: int, clip: int) -> dict:
+        """`index`: relative-symbol rows per (receiver, key) pair, long `[M, N]`."""
+        return {"index": self.relative_position_index(layer_idx, clip)}
+
+    def source(self, packed, layer_idx: int, project):
+        raise ValueError("Continuous batching serves decoder-only models (no cross-attention).")
+
+    def update(self, packed, keys: torch.Tensor, values: list, layer_idx: int):
         """Keys `[1, h_k, M, d_h]` and flat values `[1, M, width]` (a `PackedCache`'s order) -> as `packed.views`
         for the N tokens the receivers may read: keys per head type `[1, h_kv, N, d_h]`, values (`paged_views`)."""
         _, key_heads, m, d = keys.shape
@@ -353,6 +439,6 @@ def paged_biases() -> list[str]:
     return [name for name, bias in RELATIONAL_BIASES.items() if not bias.cross and paging_limit(name) is None]
 
 
-__all__ = ["CACHE_LAYERS", "DATStaticLayer", "DATStaticSlidingWindowLayer", "PAGED_ARGUMENTS", "PackedCache",
-           "PagedCache", "check_cache", "continuous_batching_limits", "open_cache", "packed_update", "paged_biases",
+__all__ = ["CACHE_LAYERS", "DATStaticLayer", "DATStaticSlidingWindowLayer", "ForwardCache", "NO_CACHE",
+           "PAGED_ARGUMENTS", "PackedCache", "PagedCache", "check_cache", "forward_cache", "continuous_batching_limits", "open_cache", "packed_update", "paged_biases",
            "paged_masks", "paged_views", "paging_limit", "prepare_cache", "receiver_slots", "self_attention_cache"]

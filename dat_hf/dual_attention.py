@@ -258,6 +258,7 @@ class DualAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         # CODEPATH: sensory heads: every released checkpoint; none (`n_heads_sa=0`): no released checkpoint.
         self.sensory = SensoryAttention(config, layer_idx, is_causal) if config.num_sensory_heads > 0 else None

@@ -36,8 +36,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_dat import DATConfig
-from .cache_dat import (PagedCache, continuous_batching_limits, open_cache, paged_masks, prepare_cache,
-                        self_attention_cache)
+from .cache_dat import NO_CACHE, continuous_batching_limits, open_cache, prepare_cache
 from .dual_attention import DATRotaryEmbedding, DualAttention, RelationalAttention
 from .kernel_hooks import check_inputs, replaceable
 from .attention_plan import gradients_flow, plan_attention
@@ -116,6 +115,7 @@ class DATDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config, layer_idx: int, is_causal: bool = True):
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         self.pre_norm = config.pre_norm
         self.input_layernorm = make_norm(config)
@@ -200,28 +200,18 @@ def init_text_stack(model, config, vocab_size: int, layers: list, **stack):
     init_dat_stack(model, config, layers, **stack)
 
 
-def plan_layers(model, inputs_embeds, attention_mask, cache=None, position_ids=None, graph_adjacency=None,
+def plan_layers(model, inputs_embeds, attention_mask, cache=NO_CACHE, position_ids=None, graph_adjacency=None,
                 causal=True, output_attentions=False):
     """Every layer's (sensory, relational) biases and this forward's attention plan: each distinct bias's mask built
-    once (or given: a dict `{bias: mask}` from `create_masks_for_generate`), its function chosen once per head type
-    (`AttentionPlan`)."""
+    once by the forward's cache (`ForwardCache.masks`: continuous batching's over its packed requests, or given as a
+    dict `{bias: mask}` from `create_masks_for_generate`), its function chosen once per head type (`AttentionPlan`)."""
     config = model.config
-    cache = self_attention_cache(cache)
     layer_biases = config.layer_biases()
     biases = [bias for pair in layer_biases for bias in pair]
-    paged = isinstance(cache, PagedCache)  # (continuous batching: one packed row of many requests)
-    if not paged and isinstance(attention_mask, dict):
-        masks = prebuilt_masks(attention_mask, biases, causal, uses_flex_attention(config))
-    elif not paged:
-        check_inputs("graph_inputs", biases, graph_adjacency, inputs_embeds.shape[0], inputs_embeds.shape[1], cache)
-        masks = build_masks(biases, config, inputs_embeds, attention_mask, cache, position_ids, graph_adjacency,
-                            causal=causal)
-    else:
-        masks = paged_masks(attention_mask, config, cache)
+    masks = cache.masks(biases, config, inputs_embeds, attention_mask, position_ids, graph_adjacency, causal)
     inputs = (masks, config, inputs_embeds, output_attentions, gradients_flow(model, inputs_embeds), model.training,
               [sensory for sensory, _ in layer_biases], [relational for _, relational in layer_biases])
-    per_request = paged and cache.decoding
-    return layer_biases, plan_attention(model, *inputs, per_request=per_request)
+    return layer_biases, plan_attention(model, *inputs, per_request=cache.rows_are_requests)
 
 
 def starts_cache(model, use_cache, cache) -> bool:
@@ -253,16 +243,16 @@ def prepare_decoder_inputs(model, input_ids, inputs_embeds, attention_mask, posi
     -> (inputs_embeds `[b, n, d]`, cache, position_ids `[b|1, n]`, the positions for the mask builder: see
     `resolve_position_ids`)."""
     config = model.config
-    cache, past_seen = open_cache(cache, config, position_ids, starts_cache(model, use_cache, cache), kwargs)
-    check_inputs("text_inputs", input_ids, inputs_embeds, None if isinstance(cache, PagedCache) else attention_mask,
-                 position_ids, past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
+    cache = open_cache(cache, config, position_ids, starts_cache(model, use_cache, cache), kwargs)
+    check_inputs("text_inputs", input_ids, inputs_embeds, cache.padding(attention_mask), position_ids,
+                 cache.past_seen, vocab_size=config.vocab_size, hidden_size=config.hidden_size, prefix=prefix)
     if inputs_embeds is None:
         inputs_embeds = model.embed_tokens(input_ids)
     batch_size, seq_len, _ = inputs_embeds.shape
     kwargs.pop("output_relations", None)
     kwargs.pop("output_hidden_states", None)
     position_ids, mask_positions = resolve_position_ids(model, position_ids, attention_mask, batch_size, seq_len,
-                                                        past_seen, inputs_embeds.device, prefix + "position_ids")
+                                                        cache.past_seen, inputs_embeds.device, prefix + "position_ids")
     return inputs_embeds, cache, position_ids, mask_positions
 
 
@@ -488,9 +478,7 @@ class DATModel(DATPreTrainedModel):
             self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs)
         hidden_states = run_text_stack(self, inputs_embeds, attention_mask, cache, position_ids, mask_positions,
                                        self.symbol_retrievers, kwargs, graph_adjacency)
-        # (continuous batching: one packed row of many requests' tokens over the manager's paged cache)
-        return DATModelOutputWithPast(last_hidden_state=hidden_states,
-                                      **cache_kwargs(cache.cache if isinstance(cache, PagedCache) else cache))
+        return DATModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache.cache))
 
     @staticmethod
     def _default_position_ids(attention_mask, batch_size, seq_len, past_seen, device):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -37,7 +37,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from .attention_plan import AttentionPlan, gradients_flow
 from .configuration_dat_seq2seq import DATSeq2SeqConfig
-from .cache_dat import PackedCache, self_attention_cache
+from .cache_dat import PackedCache, forward_cache
 from .dual_attention import (DualAttention, FusedProjections, RelationalAttention, SensoryAttention,
                              dual_attention_outputs, project_fused)
 from .kernel_hooks import check_inputs
@@ -129,7 +129,7 @@ class CrossAttentionSource:
             self.positions = source_position_ids(attention_mask, batch_size, length, hidden_states.device)
 
     def symbols(self, layer_idx: int):
-        if self.symbol_retrievers is None or (self.cache is not None and self.cache.is_updated.get(layer_idx)):
+        if self.symbol_retrievers is None or self.cache.holds_source(layer_idx):
             return None
         return self.symbol_retrievers(layer_idx, self.hidden_states, self.positions)
 
@@ -273,17 +273,9 @@ class DATCrossAttention(nn.Module):
     def forward(self, hidden_states, encoder_hidden_states, source_symbols, cross_plan, cache=None, **kwargs):
         """`cross_plan`: this forward's plan of the bipartite graph (`AttentionPlan`)."""
         q_s, q_r, q_rel = self._project_queries(hidden_states)
-        cross_cache = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else None
-        if cross_cache is not None and cache.is_updated.get(self.layer_idx):
-            layer = cross_cache.layers[self.layer_idx]
-            keys, values = self.packed.unpack(layer.keys, layer.values)
-        else:
-            keys, values = self._project_source(encoder_hidden_states, source_symbols)
-            if cross_cache is not None:
-                keys, values = self.packed.unpack(*cross_cache.update(*self.packed.pack(keys, values), self.layer_idx))
-                cache.is_updated[self.layer_idx] = True
-            else:
-                values = self.packed.value_views(values)  # (keys are already one per head type)
+        # the source's keys and values: cached, or projected (and cached, once per generation)
+        keys, values = forward_cache(cache).source(
+            self.packed, self.layer_idx, lambda: self._project_source(encoder_hidden_states, source_symbols))
         sensory_inputs = relational_inputs = None
         if self.sensory is not None:
             sensory_inputs = (q_s, keys[-1], values[0], cross_plan.sensory[CROSS_ATTENTION_BIAS])
@@ -311,11 +303,11 @@ class DATSeq2SeqDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, symbols, encoder_hidden_states, source_symbols=None, position_embeddings=None,
                 sensory_plan=None, relational_plan=None, cross_plan=None, cache=None, **kwargs):
         """symbols `[b|1, n, d]` (or None) of the target, encoder_hidden_states `[b, m, d]`, source_symbols `[b|1, m,
-        d]` (for `dual` cross-attention while its cache layer is empty, else None); `cache` an `EncoderDecoderCache`."""
-        self_cache = self_attention_cache(cache)
+        d]` (for `dual` cross-attention while its cache layer is empty, else None); `cache` the forward's
+        `ForwardCache` (its own half and the source's)."""
 
         def self_attend(x):
-            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_plan, relational_plan, self_cache,
+            out, _, _ = self.dual_attn(x, symbols, position_embeddings, sensory_plan, relational_plan, cache,
                                        **kwargs)
             return self.dropout(out)
 
@@ -501,9 +493,6 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
             hidden_size)`, the cache, and on request the hidden states, the (cross-)attention weights of every head
             and the relations.
         """
-        if cache is not None and not isinstance(cache, EncoderDecoderCache):
-            raise ValueError(
-                f"The seq2seq decoder needs an `EncoderDecoderCache` as `cache`, got {type(cache).__name__}.")
         inputs_embeds, cache, position_ids, mask_positions = prepare_decoder_inputs(
             self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, kwargs, prefix="decoder_")
         check_inputs("encoder_states", encoder_hidden_states, encoder_attention_mask, inputs_embeds.shape[0],
@@ -519,7 +508,7 @@ class DATSeq2SeqDecoder(DATSeq2SeqPreTrainedModel):
         target_retrievers = self.symbol_retrievers if self.config.num_relational_heads > 0 else None
         hidden_states = run_text_stack(self, inputs_embeds, attention_mask, cache, position_ids, mask_positions,
                                        target_retrievers, kwargs, source=source, cross_plan=cross_plan)
-        return DATDecoderOutput(last_hidden_state=hidden_states, **cache_kwargs(cache))
+        return DATDecoderOutput(last_hidden_state=hidden_states, **cache_kwargs(cache.cache))
 
 
 @auto_docstring(

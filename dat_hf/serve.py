@@ -966,7 +966,7 @@ class ServerInternal(collections.namedtuple("ServerInternal", "name engine need 
 
 def unhooked(found):
     """What the seam's hook replaced (`_hook`): a wrapper's `__wrapped__`, a subclass's base; else `found`."""
-    if not getattr(found, "_dat_hf_hook", False):
+    if not getattr(found, "dat_hf_hook", False):
         return found
     return found.__bases__[0] if isinstance(found, type) else inspect.unwrap(found)
 
@@ -1219,10 +1219,10 @@ ENGINES = (ProcessEngine, ThreadEngine)  # (the first one the installed release 
 def _hook(owner, name: str, hook, *args):
     """`owner.name` replaced by `hook(owner.name, *args)`, once (what a wrapper wraps stays its `__wrapped__`)."""
     current = getattr(owner, name)
-    if getattr(current, "_dat_hf_hook", False):
+    if getattr(current, "dat_hf_hook", False):
         return
     replacement = hook(current, *args)
-    replacement._dat_hf_hook = True
+    replacement.dat_hf_hook = True
     setattr(owner, name, replacement)
 
 

@@ -13,20 +13,13 @@ from torch.utils.checkpoint import checkpoint
 from .kernel_hooks import replaceable
 
 
-@replaceable("symbol_heads")
-def symbol_heads(module, library, dtype):
-    """`module`'s (a `SymbolicAttention`) templates and `library` `[S, d]` as per-head keys and values `[1, h, S, d/h]`
-    in `dtype`; `import dat_hf` installs views kept between decoding steps (`dat_hf/kernels/symbols.py`)."""
-    return module._heads(module.template_features, dtype), module._heads(library, dtype)
-
-
 @replaceable("symbolic_attention")
 def symbolic_attention(module, hidden_states, library):
     """`module`'s (a `SymbolicAttention`) retrieval: hidden_states `[b, n, d]`, library `[S, d]` -> symbols
     `[b, n, d]`, per head `softmax(scale q_h templates_h^T) library_h` with `q = x W_q^T + b_q`."""
     b, n, d = hidden_states.shape
     query = module.q_proj(hidden_states).view(b, n, module.num_heads, -1).transpose(1, 2)  # [b, h, n, d/h]
-    key, value = symbol_heads(module, library, query.dtype)  # [1, h, S, d/h]
+    key, value = module.heads_of(library, query.dtype)  # [1, h, S, d/h]
     if b > 1:
         key, value = key.expand(b, -1, -1, -1), value.expand(b, -1, -1, -1)
     symbols = nn.functional.scaled_dot_product_attention(query, key, value, scale=module.scale,
@@ -34,11 +27,15 @@ def symbolic_attention(module, hidden_states, library):
     return symbols.transpose(1, 2).reshape(b, n, d)
 
 
+_PLAIN = (nn.Parameter, torch.Tensor)  # (not a tensor subclass: a quantized or distributed one)
+
+
 class SymbolicAttention(nn.Module):
     """`s = Attn(q = x W_q, k = templates, v = library)`: hidden_states `[b, n, d]` -> symbols `[b, n, d]`."""
 
     def __init__(self, config, own_library: bool = True):
         super().__init__()
+        self.config = config
         self.num_heads = config.symbolic_attention_heads
         self.scale = config.symbolic_attention_scale
         self.dropout = config.symbol_dropout
@@ -57,6 +54,21 @@ class SymbolicAttention(nn.Module):
 
     def _retrieve(self, hidden_states, library):
         return symbolic_attention(self, hidden_states, library)
+
+    def heads_of(self, library, dtype):
+        """The templates and `library` `[S, d]` as per-head keys and values `[1, h, S, d/h]` in `dtype`. Without
+        gradients, outside tracing, for plain parameters already in `dtype`, the views are kept between calls (a
+        decoding step reads them once per layer) while both keep their storage (views follow in-place changes)."""
+        templates = self.template_features
+        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+                or type(templates) not in _PLAIN or type(library) not in _PLAIN
+                or not templates.dtype == library.dtype == dtype):
+            return self._heads(templates, dtype), self._heads(library, dtype)
+        stamp = (templates.data_ptr(), library.data_ptr(), templates.shape, library.shape)
+        kept = self.__dict__.get("_kept_heads")
+        if kept is None or kept[0] != stamp:
+            kept = self.__dict__["_kept_heads"] = (stamp, (self._heads(templates, dtype), self._heads(library, dtype)))
+        return kept[1]
 
     def _heads(self, tensor, dtype):
         view = tensor.view(-1, self.num_heads, tensor.shape[-1] // self.num_heads).transpose(0, 1)[None]
@@ -118,4 +130,4 @@ class SymbolRetrievers(nn.Module):
         return retriever(hidden_states, symbol_library=library, position_ids=position_ids)
 
 
-__all__ = ["symbol_heads", "symbolic_attention", "SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]
+__all__ = ["symbolic_attention", "SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]

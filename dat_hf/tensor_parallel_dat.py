@@ -81,8 +81,8 @@ if ALL_PARALLEL_STYLES is not None:
             meta = module._parameters.get(param)
             if meta is None:
                 return
-            module._parameters[param] = nn.Parameter(distribute_tensor(meta, mesh, [Shard(0)], src_data_rank=None),
-                                                     requires_grad=meta.requires_grad)
+            module.register_parameter(param, nn.Parameter(distribute_tensor(meta, mesh, [Shard(0)], src_data_rank=None),
+                                                          requires_grad=meta.requires_grad))
 
     ALL_PARALLEL_STYLES.register(GATHER_STYLE, GatheredColwiseParallel())
     ALL_PARALLEL_STYLES.register(HEADS_STYLE, HeadShardedParameter())

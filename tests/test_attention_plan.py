@@ -1,6 +1,7 @@
 """The attention plan (`dat_hf/attention_plan.py`): selection and mask conversion happen once per forward, not per
 layer call; the layers hand their planned mask to the function without asking the mask object anything; every mask
-format a backend may declare gives the same messages as the reference."""
+format a backend may declare gives the same messages as the reference; decoding steps keep the last step's plan (and
+symbolic attention its per-head views) while nothing they were made from changed."""
 
 import pytest
 import torch
@@ -9,9 +10,9 @@ from relational_cases import Heads, assert_close, call_backend, make_inputs, ran
 
 import dat_hf.attention_plan as attention_plan
 import dat_hf.masking_dat as masking_dat
-from dat_hf.kernels import plan_reuse
 from dat_hf import DATConfig, DATForCausalLM
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
+from dat_hf.symbol_retrieval import SymbolicAttention
 
 
 def tiny(**overrides):
@@ -66,12 +67,12 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
     from dat_hf.transformers_compat import output_cache
 
     model = DATForCausalLM(tiny(attn_implementation="sdpa")).eval()
-    builds, build = [], attention_plan.AttentionPlan.build.__func__
+    builds, build = [], attention_plan.AttentionPlan.of_reads.__func__
 
     def watch_builds():
         # (the decoding-step ops, which take the steps without the backends' functions, set aside)
         set_kernels_aside(monkeypatch, ("layer_step", "dual_attention_step"))
-        monkeypatch.setattr(attention_plan.AttentionPlan, "build",
+        monkeypatch.setattr(attention_plan.AttentionPlan, "of_reads",
                             classmethod(lambda cls, *args, **kwargs: builds.append(1) or build(cls, *args, **kwargs)))
 
     watch_builds()
@@ -95,7 +96,7 @@ def test_decoding_steps_reuse_the_plan_until_what_it_reads_changes(monkeypatch):
 
     reused, planned = decode(5)
     assert planned == 1
-    monkeypatch.setattr(plan_reuse, "reuse_key", lambda *args: None)  # (remote code alone plans every step)
+    monkeypatch.setattr(attention_plan.AttentionPlan, "serves", lambda *args: False)  # (plan every step)
     every_step, planned = decode(5)
     assert planned == 5
     torch.testing.assert_close(reused, every_step, rtol=0, atol=0)
@@ -136,3 +137,29 @@ def test_each_mask_format_gives_the_reference(backend):
 def test_unknown_mask_format_is_named():
     with pytest.raises(ValueError, match="Unknown mask format 'csr'"):
         attention_plan.mask_in_format(masking_dat.AttentionMask(None, None, True), "csr")
+
+
+def test_kept_symbol_views_follow_the_parameters():
+    """What else a decoding step keeps from the last: symbolic attention's per-head views of its templates and library
+    (`SymbolicAttention.heads_of`) equal the views formed anew, are kept between calls without gradients, follow
+    in-place changes, and are formed anew when a parameter is replaced; with gradients or in another dtype they are
+    formed at each call."""
+    module = SymbolicAttention(tiny(num_symbols=8, symbolic_attention_heads=2)).eval()
+    for parameter in module.parameters():
+        torch.nn.init.normal_(parameter)
+    library = module.symbol_library
+
+    def formed(library, dtype=torch.float32):
+        return module._heads(module.template_features, dtype), module._heads(library, dtype)
+
+    with torch.no_grad():
+        kept = module.heads_of(library, torch.float32)
+        assert kept is module.heads_of(library, torch.float32)
+        for got, expected in zip(kept, formed(library)):
+            assert torch.equal(got, expected)
+        library.mul_(2)  # in place: the kept views see it
+        assert torch.equal(kept[1], formed(library)[1])
+        module.symbol_library = torch.nn.Parameter(library.clone())
+        assert module.heads_of(module.symbol_library, torch.float32) is not kept
+        assert module.heads_of(library, torch.bfloat16) is not module.heads_of(library, torch.bfloat16)
+    assert module.heads_of(library, torch.float32) is not module.heads_of(library, torch.float32)  # (gradients on)

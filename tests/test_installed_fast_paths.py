@@ -9,10 +9,8 @@ from conftest import set_kernels_aside, tiny_config
 
 from dat_hf import DATForCausalLM
 from dat_hf.kernels import receiver_blocks
-from dat_hf.kernels.symbols import kept_symbol_heads, takes_kept_views
 from dat_hf.masking_dat import build_masks
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
-from dat_hf.symbol_retrieval import SymbolicAttention, symbol_heads
 
 CASES = {
     # a window over more receivers than a block: a `WindowMask` attended block by block, in training
@@ -58,25 +56,3 @@ def test_remote_code_alone_computes_what_the_fast_paths_compute(monkeypatch, cas
     assert len(fast[1]) == len(alone[1]) and all(torch.allclose(f, a, atol=1e-5) for f, a in zip(fast[1], alone[1]))
     assert torch.equal(fast[2], alone[2])
     assert torch.allclose(fast[3], alone[3], atol=1e-4)
-
-
-def test_kept_symbol_views_follow_the_parameters():
-    """The installed views of symbolic attention's templates and library equal the reference's, are kept between
-    calls, follow in-place changes, and are formed anew when a parameter is replaced; with gradients the reference
-    runs."""
-    module = SymbolicAttention(tiny_config()).eval()
-    for parameter in module.parameters():
-        torch.nn.init.normal_(parameter)
-    library = module.symbol_library
-    with torch.no_grad():
-        assert takes_kept_views(module, library, torch.float32)
-        kept = kept_symbol_heads(module, library, torch.float32)
-        assert kept is kept_symbol_heads(module, library, torch.float32)
-        for got, expected in zip(kept, symbol_heads.reference(module, library, torch.float32)):
-            assert torch.equal(got, expected)
-        library.mul_(2)  # in place: the kept views see it
-        assert torch.equal(kept[1], symbol_heads.reference(module, library, torch.float32)[1])
-        module.symbol_library = torch.nn.Parameter(library.clone())
-        assert kept_symbol_heads(module, module.symbol_library, torch.float32) is not kept
-        assert not takes_kept_views(module, library, torch.bfloat16)
-    assert not takes_kept_views(module, library, torch.float32)  # (gradients on)

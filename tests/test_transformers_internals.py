@@ -190,7 +190,7 @@ def test_the_server_hooks_what_its_engine_offers():
     from transformers.cli.serving import completion
 
     hooked = completion.CompletionHandler.handle_request
-    assert hooked._dat_hf_hook and inspect.unwrap(hooked) is not hooked
+    assert hooked.dat_hf_hook and inspect.unwrap(hooked) is not hooked
     serve.hook_server()
     assert completion.CompletionHandler.handle_request is hooked
     assert all(internal.difference() is None for internal in serve.SERVER_INTERNALS

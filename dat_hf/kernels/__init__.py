@@ -5,6 +5,8 @@ The model files never import this package, so a model loaded as Hub remote code 
 backends (`eager`, `sdpa`, `flex_attention`), the reference functions and Transformers' cache layers.
 
 - `caches`: the in-place dynamic cache layer and the ring sliding-window static one (`cache_dat.CACHE_LAYERS`).
+- `contracts`: what each op that takes over a whole step computes (every config field and module type
+  classified), and whether it may run a given module, decided once.
 - `cpu`: relational attention for CPU float32 (backend `"cpu"`: flash-style forward and backward, one-op decoding
   step), RoPE and the MLP's SwiGLU in one pass each; C++ sources in `csrc/`, built on first use (`cpu_build`) or
   ahead with `python -m dat_hf.kernels build` (`status` shows the cache).
@@ -12,17 +14,15 @@ backends (`eager`, `sdpa`, `flex_attention`), the reference functions and Transf
 - `paged_views`: continuous batching's paged cache read back as views of its pages, without a copy.
 - `plan_entries`: the attention plan's entries, which attend block by block over receiver blocks and fall back from a
   compiled backend whose kernel fails to the next one.
-- `plan_reuse`: a decoding step served the last step's attention plan while nothing it reads changed.
 - `projections`: a layer's input projections as one matrix product over the concatenated weights.
 - `receiver_blocks`: the receiver blocks of sparse graphs and long sliding windows (those without a dense `[q, kv]`
   mask), which the plan's entries attend block by block.
-- `symbols`: symbolic attention's per-head templates and library kept between decoding steps.
 - `tensor_parallel`: a layer's input projections under tensor parallelism as one local product, one all-reduce.
 - `triton_relational`: relational attention in Triton for CUDA (backend `"triton"`), registered when the `triton`
   package imports; its kernels run on CPU tensors when `TRITON_INTERPRET=1` is set before `dat_hf` is imported.
 """
 
-from . import (caches, cpu, mlp, paged_views, plan_entries, plan_reuse, projections, receiver_blocks, symbols,
+from . import (caches, contracts, cpu, mlp, paged_views, plan_entries, projections, receiver_blocks,
                tensor_parallel)
 from .cpu import cpu_kernel_ready, load_cpu_kernel
 
@@ -31,10 +31,8 @@ cpu.register()
 mlp.register()
 paged_views.register()
 plan_entries.register()
-plan_reuse.register()
 projections.register()
 receiver_blocks.register()
-symbols.register()
 tensor_parallel.register()
 
 try:

@@ -67,6 +67,21 @@ class InPlaceCacheLayer(DynamicLayer):
         return ([key.narrow(2, 0, total) for key in keys],
                 [part.narrow(2 if heads else 1, 0, total) for part, heads in zip(parts, packed.value_heads)])
 
+    def slots_for(self, batch_size: int, new: int, packed, dtype, device) -> tuple | None:
+        """Where a kernel writes `new` tokens of a `PackedCache` layer's states itself (`batch_size` rows, `dtype`, on
+        `device`): (key buffer `[b, h_k, capacity, d_h]`, value buffer `[b, 1, capacity, width]`, the slot of the
+        first new token), or None when the buffers have no room (then `update_packed` makes it). After writing, the
+        kernel calls `appended(new)`."""
+        if not self.has_room_for(batch_size, new, packed, dtype, device):
+            return None
+        return (*self._buffers, self._length)
+
+    def appended(self, new: int) -> None:
+        """The layer holds the `new` tokens a kernel wrote into the buffers `slots_for` gave."""
+        key_buffer, value_buffer = self._buffers
+        self._length = total = self._length + new
+        self.keys, self.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+
     def has_room_for(self, batch_size: int, new: int, packed, dtype, device) -> bool:
         """Whether `new` tokens of a `PackedCache` layer's states (`batch_size` rows, `dtype`, on `device`) can be
         written into the buffers at the current length (which `keys`/`values` still cover)."""

@@ -25,15 +25,13 @@ once, instead of one matrix-vector product per projection.
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
-from transformers.cache_utils import DynamicCache
 
 from .. import dual_attention
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
-from ..modeling_dat import DATMLP, DATRMSNorm
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from ..relational_attention import relational_output
-from . import projections
+from . import contracts, projections
 from .autograd import relational_op_autograd
 from .caches import InPlaceCacheLayer
 from .cpu_build import build_extension
@@ -169,15 +167,24 @@ def cpu_relational_attention(query, key, symbol_values, relation_queries, relati
     return relational_output(attended_symbols, attended_relations, relation_proj), None, None
 
 
+# what a `RelationalCall` carries of the config fields `contracts.FIELDS` rules on for the backend
+CALL_FIELDS = {
+    "relation_activation": lambda call: call.relation_activation,
+    "symbol_retrieval": lambda call: "position_relative" if call.relative_symbols else "symbols per sender",
+}
+
+
 def supports_cpu(call: RelationalCall) -> str | None:
-    """What the compiled CPU kernel runs: float32 on CPU (no autocast), identity relations, symbols per sender, no
-    attention dropout or weights, no mask or a bool one; the kernel builds (a C++ compiler is needed)."""
+    """What the compiled CPU kernel runs: float32 on CPU (no autocast), the config fields `contracts.FIELDS` lets the
+    backend compute (identity relations, symbols per sender), no attention dropout or weights, no mask or a bool one;
+    the kernel builds (a C++ compiler is needed)."""
     if call.device != "cpu" or call.dtype != torch.float32 or call.autocast:
         return "the CPU kernel runs float32 on CPU (no autocast)"
     if call.output_attentions:
         return "it does not return attention weights (use 'eager')"
-    if call.relation_activation != "identity" or call.relative_symbols:
-        return "the CPU kernel needs the identity relation activation and symbols per sender"
+    why = contracts.declined_values("cpu_relational", {field: value(call) for field, value in CALL_FIELDS.items()})
+    if why is not None:
+        return f"the CPU kernel does not compute {why}"
     if call.dropout > 0:
         return "the CPU kernel has no attention dropout"
     if not call.mask.bool_or_none:
@@ -317,6 +324,13 @@ def symbolic_attention_op(x, weight, bias, templates, library, heads: int, scale
     return torch.ops.dat_hf.symbolic_attention(x, weight, bias, templates, library, heads, scale)
 
 
+def symbolic_attention_reads(module) -> list:
+    """What the op reads of a `SymbolicAttention`: its query projection, templates and own library."""
+    parameters = module.q_proj._parameters
+    return [parameters["weight"], parameters["bias"], module.template_features,
+            *([module.symbol_library] if "symbol_library" in module._parameters else [])]
+
+
 # the op's loops re-read the tables for each row, where the reference's matrix products share them: it takes at most
 # this many rows (measured: 13 against 26 us at 1 row, 25 against 30 at 4, 45 against 33 at 8; d=128, 64 symbols), and
 # one row over tables of more than `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements (256 KB)
@@ -325,20 +339,16 @@ SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS = 1 << 16
 
 
 def accepts_symbolic_attention(module, hidden_states, library) -> bool:
-    """Decoding inputs without gradients or dropout, float32 on CPU (up to `SYMBOLIC_OP_MAX_ROWS` rows, one over
-    tables of more than `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements), a plain query projection (no hooks, PEFT or
-    tensor subclass) and plain contiguous templates and library. (Checked at every decoding step of every layer.)"""
-    if not (hidden_states.is_cpu and hidden_states.dtype == torch.float32 and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and load_cpu_kernel()):
+    """Per call, for a module the op computes (`contracts.spec`): decoding inputs without gradients, or dropout in
+    train mode, float32 on CPU (up to `SYMBOLIC_OP_MAX_ROWS` rows, one over tables of more than
+    `SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS` elements), and a plain contiguous float32 library."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not contracts.runs("symbolic_attention", module,
+                                                                                       hidden_states):
         return False
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    templates = module.template_features
-    if rows > 1 and (rows > SYMBOLIC_OP_MAX_ROWS or templates.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
+    if rows > 1 and (rows > SYMBOLIC_OP_MAX_ROWS or module.template_features.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
         return False
-    q_proj = module.q_proj
-    if module.training and module.dropout > 0:
-        return False
-    return _plain_weights([q_proj], biases=True) and _plain_tensor(templates) and _plain_tensor(library)
+    return not (module.training and module.dropout > 0) and _plain_tensor(library) and load_cpu_kernel()
 
 
 # ---- a dual-attention layer's decoding step -----------------------------------------------------------------------
@@ -346,41 +356,55 @@ def cpu_decoding_step(module, hidden_states, symbols, position_embeddings, senso
                       **kwargs):
     """`dual_attention.fused_decoding_step` in one op (`dual_attention_decode`): the input projections, RoPE, the
     symbol values, the new token written into the in-place cache layer's buffers, both head types over every cached
-    token, both output projections -> (output `[b, 1, (h_s + h_r) d_h]`, None, None)."""
+    token, both output projections -> (output `[b, 1, (h_s + h_r) d_h]`, None, None); None where the cache layer has
+    no room (the layer then computes the step part by part)."""
     b, d = hidden_states.shape[0], hidden_states.shape[-1]
+    layer = cache.layer(module.layer_idx)
+    slots = layer.slots_for(b, 1, module.packed, hidden_states.dtype, hidden_states.device)
+    if slots is None:
+        return None
     out = decoding_step_op(hidden_states.reshape(b, d).contiguous(),
-                           *_step_arguments(module, symbols, position_embeddings, cache))
-    _advance(module, relational_plan, cache)
+                           *_step_arguments(module, symbols, position_embeddings, slots))
+    _appended(module, relational_plan, layer)
     return out.view(b, 1, -1), None, None
 
 
-def _step_arguments(module, symbols, position_embeddings, cache) -> list:
-    """The arguments of `decoding_step_op` after x, for the `DualAttention` `module`."""
+def _step_weights(module) -> list:
+    """The weights `decoding_step_op` reads of the `DualAttention` `module`, in its order (see `_step_arguments`)."""
     sensory, relational = module.sensory, module.relational
-    layer = cache.layers[module.layer_idx]
-    key_buffer, value_buffer = layer._buffers
-    cos = sin = None
-    if position_embeddings is not None:
-        cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in position_embeddings)
     symbol_proj, o_s, o_r = relational._modules["symbol_proj"], sensory._modules["o_proj"], relational._modules["o_proj"]
     return [[linear._parameters["weight"] for linear in dual_attention.head_linears(
                 sensory, relational, module.input_projections.projections)],
-            symbols.reshape(-1, symbols.shape[-1]).contiguous(), symbol_proj._parameters["weight"],
-            symbol_proj._parameters["bias"], cos, sin, key_buffer, value_buffer, layer._length,
-            relational._parameters["relation_proj"], o_s._parameters["weight"], o_s._parameters["bias"],
-            o_r._parameters["weight"], o_r._parameters["bias"],
+            symbol_proj._parameters["weight"], symbol_proj._parameters["bias"], relational._parameters["relation_proj"],
+            o_s._parameters["weight"], o_s._parameters["bias"], o_r._parameters["weight"], o_r._parameters["bias"]]
+
+
+def dual_attention_step_reads(module) -> list:
+    """What the op reads of a `DualAttention` (`contracts.READS`)."""
+    in_weights, *weights = _step_weights(module)
+    return [*in_weights, *weights]
+
+
+def _step_arguments(module, symbols, position_embeddings, slots) -> list:
+    """The arguments of `decoding_step_op` after x, for the `DualAttention` `module` and the cache layer's `slots`
+    (`InPlaceCacheLayer.slots_for`: key and value buffers, length)."""
+    sensory, relational = module.sensory, module.relational
+    in_weights, symbol_weight, symbol_bias, relation_proj, o_s_weight, o_s_bias, o_r_weight, o_r_bias = \
+        _step_weights(module)
+    cos = sin = None
+    if position_embeddings is not None:
+        cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in position_embeddings)
+    return [in_weights, symbols.reshape(-1, symbols.shape[-1]).contiguous(), symbol_weight, symbol_bias, cos, sin,
+            *slots, relation_proj, o_s_weight, o_s_bias, o_r_weight, o_r_bias,
             [sensory.num_heads, sensory.num_kv_heads, relational.num_heads, relational.num_kv_heads,
              relational.num_relations, relational.relation_dim],
             [sensory.scaling, relational.scaling, relational.relation_scaling], relational.symmetric_relations]
 
 
-def _advance(module, relational_plan, cache):
-    """After the op wrote one token into the in-place layer's buffers: its length, keys and values views, and the
-    relational backend's record."""
-    layer = cache.layers[module.layer_idx]
-    key_buffer, value_buffer = layer._buffers
-    layer._length = total = layer._length + 1
-    layer.keys, layer.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+def _appended(module, relational_plan, layer):
+    """After the op wrote one token into the in-place cache layer's buffers: the layer holds it, and the relational
+    backend is recorded as the plan's."""
+    layer.appended(1)
     relational = module.relational
     if relational.__dict__.get("relational_attention_backend") != relational_plan.name:
         relational.relational_attention_backend = relational_plan.name
@@ -389,17 +413,36 @@ def _advance(module, relational_plan, cache):
 def cpu_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
                    **kwargs):
     """`modeling_dat.fused_layer_step` in one op (`decoder_layer_decode`): a pre-norm decoder layer's RMSNorms,
-    dual attention (as `cpu_decoding_step`), residuals and SwiGLU MLP. hidden_states `[b, 1, d]` -> `[b, 1, d]`."""
+    dual attention (as `cpu_decoding_step`), residuals and SwiGLU MLP. hidden_states `[b, 1, d]` -> `[b, 1, d]`;
+    None where the cache layer has no room."""
     b, d = hidden_states.shape[0], hidden_states.shape[-1]
-    attention, mlp = layer.dual_attn, layer._modules["mlp"]
-    input_norm, post_norm = layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]
+    attention = layer.dual_attn
+    cache_layer = cache.layer(attention.layer_idx)
+    slots = cache_layer.slots_for(b, 1, attention.packed, hidden_states.dtype, hidden_states.device)
+    if slots is None:
+        return None
+    input_norm, post_norm, mlp_weights = _layer_weights(layer)
     out = layer_step_op(hidden_states.reshape(b, d).contiguous(), input_norm._parameters["weight"],
                         input_norm.variance_epsilon,
-                        *_step_arguments(attention, symbols, position_embeddings, cache),
-                        post_norm._parameters["weight"], post_norm.variance_epsilon,
-                        *(mlp._modules[name]._parameters["weight"] for name in ("gate_proj", "up_proj", "down_proj")))
-    _advance(attention, relational_plan, cache)
+                        *_step_arguments(attention, symbols, position_embeddings, slots),
+                        post_norm._parameters["weight"], post_norm.variance_epsilon, *mlp_weights)
+    _appended(attention, relational_plan, cache_layer)
     return out.view(b, 1, d)
+
+
+def _layer_weights(layer) -> tuple:
+    """(input norm, post-attention norm, the MLP's gate, up and down weights) of a `DATDecoderLayer`."""
+    modules = layer._modules
+    mlp = modules["mlp"]._modules
+    return (modules["input_layernorm"], modules["post_attention_layernorm"],
+            [mlp[name]._parameters["weight"] for name in ("gate_proj", "up_proj", "down_proj")])
+
+
+def layer_step_reads(layer) -> list:
+    """What the op reads of a `DATDecoderLayer` (`contracts.READS`)."""
+    input_norm, post_norm, mlp_weights = _layer_weights(layer)
+    return [input_norm._parameters["weight"], post_norm._parameters["weight"], *mlp_weights,
+            *dual_attention_step_reads(layer.dual_attn)]
 
 
 def layer_step_op(x, input_norm, input_eps, *args):
@@ -421,72 +464,47 @@ def decoding_step_op(x, in_weights, symbols, symbol_weight, symbol_bias, cos, si
                                                   o_s_bias, o_r_weight, o_r_bias, heads, scalings, symmetric)
 
 
-def _plain_weights(linears, biases: bool) -> bool:
-    """Plain, unhooked linears with plain float32 contiguous CPU weights (and biases, when `biases`, else none)."""
-    for linear in linears:
-        if not projections.is_plain_linear(linear):
-            return False
-        parameters = linear._parameters
-        bias = parameters["bias"]
-        if not _plain_tensor(parameters["weight"]) or (bias is not None and not (biases and _plain_tensor(bias))):
-            return False
-    return True
-
-
 def accepts_decoding_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
                           **kwargs) -> bool:
-    """One new token per row without gradients, dropout or returned weights, float32 on CPU, in an in-place dynamic
-    cache layer with room; both head types (own projections, symbols per sender, identity relations) whose plans are
-    the automatic CPU ones (`sdpa` sensory heads, the `cpu` relational backend) over implicit masks (every cached
-    token visible); plain bias-free input projections and plain weights. (Checked at every layer call.)"""
-    if not (hidden_states.shape[1] == 1 and hidden_states.is_cpu and hidden_states.dtype == torch.float32
-            and type(cache) is DynamicCache and not torch.is_grad_enabled() and not kwargs.get("output_attentions")
-            and not torch.compiler.is_compiling() and load_cpu_kernel()):
-        return False
-    sensory, relational = module.sensory, module.relational
-    if (sensory is None or relational is None or module.share_qk or relational.relative_symbols
-            or relational.relation_act is not None or (module.training and sensory.attention_dropout > 0)):
+    """Per call, for a module the op computes (`contracts.spec`): see `_takes_step`."""
+    return (hidden_states.shape[1] == 1 and not torch.compiler.is_compiling()
+            and contracts.runs("dual_attention_step", module, hidden_states)
+            and _takes_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                            **kwargs))
+
+
+def accepts_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                       **kwargs) -> bool:
+    """Per call, for a layer the op computes (`contracts.spec`, which holds its dual attention's too): no dropout in
+    train mode, and `_takes_step`."""
+    return (hidden_states.shape[1] == 1 and not torch.compiler.is_compiling()
+            and contracts.runs("layer_step", layer, hidden_states)
+            and not (layer.training and layer.dropout.p > 0)
+            and _takes_step(layer.dual_attn, hidden_states, symbols, position_embeddings, sensory_plan,
+                            relational_plan, cache, **kwargs))
+
+
+def _takes_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
+                **kwargs) -> bool:
+    """A step's inputs as the ops take them: one new token per row (float32 on CPU: `contracts.runs`), without
+    gradients, returned weights or attention dropout in train mode, into an in-place dynamic cache layer of the forward's
+    `ForwardCache` (its room is checked when the op runs); symbols and RoPE's cos and sin of one token, float32 on CPU; plans that are the
+    automatic CPU ones (`sdpa` sensory heads, the `cpu` relational backend) over implicit masks (every cached token
+    visible)."""
+    if (cache is None or torch.is_grad_enabled() or kwargs.get("output_attentions")
+            or (module.training and module.sensory.attention_dropout > 0)):
         return False
     if not (sensory_plan.name == "sdpa" and relational_plan.name == "cpu" and not relational_plan.per_request
             and sensory_plan.source.implicit and relational_plan.source.implicit):
         return False
-    layers = cache.layers
-    layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
-    if type(layer) is not InPlaceCacheLayer or not layer.has_room_for(hidden_states.shape[0], 1, module.packed,
-                                                                      hidden_states.dtype, hidden_states.device):
+    if type(cache.layer(module.layer_idx)) is not InPlaceCacheLayer:  # (a dynamic cache's, made by `prepare_cache`)
         return False
     if symbols is None or symbols.dtype != torch.float32 or symbols.shape[1] != 1 or not symbols.is_cpu:
         return False
     if position_embeddings is not None and not all(
             t.dtype == torch.float32 and t.is_cpu and t.shape[1] == 1 for t in position_embeddings):
         return False
-    if not _plain_tensor(relational._parameters["relation_proj"]):
-        return False
-    return (_plain_weights(dual_attention.head_linears(sensory, relational, module.input_projections.projections),
-                           biases=False)
-            and _plain_weights([relational._modules["symbol_proj"], sensory._modules["o_proj"],
-                                relational._modules["o_proj"]], biases=True))
-
-
-def accepts_layer_step(layer, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
-                       **kwargs) -> bool:
-    """A pre-norm layer with RMSNorms and a plain bias-free SwiGLU MLP (no hooks on them), in eval mode or without
-    dropout, whose dual attention takes `accepts_decoding_step`."""
-    if not (hidden_states.shape[1] == 1 and layer.pre_norm and (not layer.training or layer.dropout.p == 0)):
-        return False
-    modules = layer._modules
-    norms, mlp = (modules["input_layernorm"], modules["post_attention_layernorm"]), modules["mlp"]
-    if not (type(mlp) is DATMLP and mlp.gated and type(mlp.act_fn) is SiLUActivation and _unhooked(mlp)
-            and all(type(norm) is DATRMSNorm and _unhooked(norm) and _plain_tensor(norm._parameters["weight"])
-                    for norm in norms)):
-        return False
-    return (_plain_weights([mlp._modules[name] for name in ("gate_proj", "up_proj", "down_proj")], biases=False)
-            and accepts_decoding_step(layer.dual_attn, hidden_states, symbols, position_embeddings, sensory_plan,
-                                      relational_plan, cache, **kwargs))
-
-
-def _unhooked(module) -> bool:
-    return not (module._forward_hooks or module._forward_pre_hooks) and "forward" not in module.__dict__
+    return load_cpu_kernel()
 
 
 # ---- SwiGLU -------------------------------------------------------------------------------------------------------
@@ -517,6 +535,8 @@ def register():
     register_kernel("sdpa_attention", cpu_sdpa_rows, accepts_sdpa_rows)
     register_kernel("dual_attention_step", cpu_decoding_step, accepts_decoding_step)
     register_kernel("layer_step", cpu_layer_step, accepts_layer_step)
+    contracts.READS.update(layer_step=layer_step_reads, dual_attention_step=dual_attention_step_reads,
+                           symbolic_attention=symbolic_attention_reads)
 
 
 __all__ = ["cpu_decoding_step", "cpu_layer_step", "cpu_relational_attention", "cpu_sdpa_rows", "cpu_symbolic_attention",
