@@ -11,21 +11,22 @@ The model meets it through one object per forward, `ForwardCache` (`open_cache`;
 batching): the forward asks it for its masks, each layer for its write and read (`update`), its receivers' slots and
 its cross-attention's source; it never asks which cache it has.
 
-Faster layers are installed by `import dat_hf` (`dat_hf.kernels.caches`) in `CACHE_LAYERS`, the one registry's table
-`BACKENDS.of("cache_layers")`: "dynamic" (a class of `capacity`) for `DynamicLayer`s, "static_sliding" for
-`DATStaticSlidingWindowLayer`. This module asks a layer for its hooks by name, never by class: `update_packed`
-(`packed_update`), `receiver_slots`, and `to_slots` (`masking_dat`); without them (remote code alone) Transformers'
-layers run, with the same results.
+The layers DAT gives Transformers' caches (`prepare_cache`): in a `DynamicCache`, `InPlaceCacheLayer`s (buffers with
+spare room: a decoding step copies one token; a dual-attention layer's parts written unpacked, `update_packed`); in a
+`StaticCache`, `DATStaticLayer`s (keys and values with their own head counts) and, for sliding windows, the ring
+`RingSlidingWindowLayer` (a step writes one slot, one compiled graph serves every step; its keys come in slot order:
+masks ask it for `to_slots`, position-relative symbols for `receiver_slots`). A layer is asked for these by name, never
+by class, so any layer with Transformers' `update` serves.
 """
 
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, EncoderDecoderCache,
                                       StaticCache, StaticLayer, StaticSlidingWindowLayer)
 from transformers.masking_utils import and_masks, sliding_window_causal_mask_function
 
-from .kernel_hooks import BACKENDS, check_inputs, replaceable
+from .kernel_hooks import check_inputs
 from .masking_dat import (AttentionMask, build_masks, prebuilt_masks, transformers_window, uses_flex_attention,
                           with_row_validity)
 from .relational_biases import RELATIONAL_BIASES, mask_function_of, pair_mask, relational_bias
@@ -97,25 +98,208 @@ class DATStaticLayer(StaticLayer):
 
 class DATStaticSlidingWindowLayer(DATStaticLayer, StaticSlidingWindowLayer):
     """A `StaticSlidingWindowLayer` with DAT's packed values: Transformers' updates and mask sizes (the window kept
-    oldest first, rolled by each token once full), DAT's lazy initialization. The "static_sliding" entry of
-    `CACHE_LAYERS` (`import dat_hf`'s ring) replaces it."""
+    oldest first, rolled by each token once full), DAT's lazy initialization. `RingSlidingWindowLayer` is what
+    `prepare_cache` gives; this is Transformers' own behaviour, which the ring's tests are held to."""
 
 
-# the faster layers `import dat_hf` registers: "dynamic", "static_sliding" (see the module docstring)
-CACHE_LAYERS = BACKENDS.of("cache_layers")
+class InPlaceCacheLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are prefix views of buffers with spare room (`capacity`, doubled when
+    full): a decoding step copies only the new token. If anything else replaced `keys`/`values` (crop, beam
+    reordering, device moves), the next update copies into fresh buffers, so earlier views are never overwritten."""
+
+    def __init__(self, capacity: int | None = None):
+        super().__init__()
+        self.capacity = capacity
+        self._length = 0
+        self._buffers = None  # keys `[..., capacity, d_k]`, values `[..., capacity, d_v]`
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._owns(length, key_states, value_states):
+            self._reallocate(length, length + new, key_states, value_states)
+        key_buffer, value_buffer = self._buffers
+        key_buffer[..., length:length + new, :].copy_(key_states)
+        value_buffer[..., length:length + new, :].copy_(value_states)
+        self.keys, self.values = key_buffer[..., :length + new, :], value_buffer[..., :length + new, :]
+        self._length = length + new
+        return self.keys, self.values
+
+    def update_packed(self, packed, key_states, values: list):
+        """A `PackedCache` layer's update without packing: keys `[b, h_k, n, d_h]` and flat values `[b, n, width]`
+        are written into the buffers, and the views `packed.views` gives are cut from views of the whole buffers
+        kept with them -> (keys per head type, values) over the cached tokens, as `packed.unpack(*update(...))`."""
+        length, new = self._length, key_states.shape[-2]
+        if (torch.compiler.is_compiling() or key_states.shape[1] != sum(packed.key_heads)
+                or not self.has_room_for(key_states.shape[0], new, packed, key_states.dtype, key_states.device)
+                or any(value.dtype != key_states.dtype for value in values)):
+            return packed.unpack(*self.update(*packed.pack([key_states], values)))
+        key_buffer, value_buffer = self._buffers
+        key_buffer.narrow(-2, length, new).copy_(key_states)
+        rows, keys, parts = self._packed_views(packed, value_buffer)
+        torch.cat(values, dim=-1, out=rows.narrow(1, length, new)) if len(values) > 1 else \
+            rows.narrow(1, length, new).copy_(values[0])
+        self._length = total = length + new
+        self.keys, self.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+        return ([key.narrow(2, 0, total) for key in keys],
+                [part.narrow(2 if heads else 1, 0, total) for part, heads in zip(parts, packed.value_heads)])
+
+    def slots_for(self, batch_size: int, new: int, packed, dtype, device) -> tuple | None:
+        """Where a kernel writes `new` tokens of a `PackedCache` layer's states itself (`batch_size` rows, `dtype`, on
+        `device`): (key buffer `[b, h_k, capacity, d_h]`, value buffer `[b, 1, capacity, width]`, the slot of the
+        first new token), or None when the buffers have no room (then `update_packed` makes it). After writing, the
+        kernel calls `appended(new)`."""
+        if not self.has_room_for(batch_size, new, packed, dtype, device):
+            return None
+        return (*self._buffers, self._length)
+
+    def appended(self, new: int) -> None:
+        """The layer holds the `new` tokens a kernel wrote into the buffers `slots_for` gave."""
+        key_buffer, value_buffer = self._buffers
+        self._length = total = self._length + new
+        self.keys, self.values = key_buffer.narrow(-2, 0, total), value_buffer.narrow(-2, 0, total)
+
+    def has_room_for(self, batch_size: int, new: int, packed, dtype, device) -> bool:
+        """Whether `new` tokens of a `PackedCache` layer's states (`batch_size` rows, `dtype`, on `device`) can be
+        written into the buffers at the current length (which `keys`/`values` still cover)."""
+        if self._buffers is None or not self.is_initialized or self._length != self.keys.shape[-2]:
+            return False
+        key_buffer, value_buffer = self._buffers
+        return (self.keys.data_ptr() == key_buffer.data_ptr() and self.values.data_ptr() == value_buffer.data_ptr()
+                and self.keys.stride() == key_buffer.stride() and self.values.stride() == value_buffer.stride()
+                and self._length + new <= key_buffer.shape[-2] and key_buffer.shape[0] == batch_size
+                and key_buffer.shape[1] == sum(packed.key_heads) and key_buffer.shape[-1] == packed.head_dim
+                and value_buffer.shape[-1] == sum(packed.value_widths)
+                and key_buffer.dtype == value_buffer.dtype == dtype and key_buffer.device == device)
+
+    def _packed_views(self, packed, value_buffer):
+        """(value rows `[b, capacity, width]`, keys per head type and values over the whole buffers), made once per
+        buffers and layout."""
+        views = self.__dict__.get("_views")
+        if views is None or views[0] is not packed or views[1] is not self._buffers:
+            rows = value_buffer[:, 0]
+            keys, parts = packed.views(self._buffers[0], list(rows.split(packed.value_widths, dim=-1)))
+            views = self._views = (packed, self._buffers, (rows, keys, parts))
+        return views[2]
+
+    def _owns(self, length, key_states, value_states) -> bool:
+        """Whether `keys`/`values` are still this layer's prefix views with room for the new states."""
+        if self._buffers is None or length != self._length:
+            return False
+        for cached, buffer, new in zip((self.keys, self.values), self._buffers, (key_states, value_states)):
+            if (cached.data_ptr() != buffer.data_ptr() or cached.stride() != buffer.stride()
+                    or new.shape[:-2] != buffer.shape[:-2] or new.shape[-1] != buffer.shape[-1]
+                    or new.dtype != buffer.dtype or new.device != buffer.device
+                    or length + new.shape[-2] > buffer.shape[-2]):
+                return False
+        return True
+
+    def _reallocate(self, length, needed, key_states, value_states):
+        capacity = max(needed, self.capacity or 0)
+        if self._buffers is not None and needed > (self.capacity or 0):
+            capacity = max(capacity, 2 * needed)  # growing past the hint: double
+        buffers = []
+        for cached, new in ((self.keys, key_states), (self.values, value_states)):
+            dtype = new.dtype if length == 0 else torch.promote_types(cached.dtype, new.dtype)
+            buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1], dtype=dtype)
+            if length > 0:
+                buffer[..., :length, :].copy_(cached)
+            buffers.append(buffer)
+        self._buffers = tuple(buffers)
+
+    def reset(self) -> None:
+        """Drop keys, values and buffers without zeroing them in place (earlier views keep their values)."""
+        self._buffers, self._length = None, 0
+        self.keys = self.values = None
+        self.is_initialized = False
+        super().reset()
+
+
+class RingSlidingWindowLayer(DATStaticSlidingWindowLayer):
+    """A `DATStaticSlidingWindowLayer` kept as a ring: position t lives in slot t mod `max_cache_len`. A one-token
+    update writes its slot without branching (the count is a tensor, so one compiled step serves every token) and
+    returns the slots in ring order (`to_slots` rotates its mask, `receiver_slots` gives the receivers' slots);
+    longer updates run eagerly and return the window oldest first."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        size, new = self.max_cache_len, key_states.shape[-2]
+        if new == 1:
+            slot = (self.cumulative_length % size).view(1)
+            self.keys.index_copy_(2, slot, key_states)
+            self.values.index_copy_(2, slot, value_states)
+            self.cumulative_length.add_(1)
+            return self.keys, self.values
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                f"A compiled step may add one token at a time to a sliding-window static cache (got {new}); run longer "
+                "steps eagerly (`generate` with a compile config compiles the chunks of `prefill_chunk_size`: leave it "
+                "unset)."
+            )
+        seen = int(self.cumulative_length)
+        if seen + new <= size:  # the window is not full yet: slots are positions
+            for cache, state in ((self.keys, key_states), (self.values, value_states)):
+                cache[:, :, seen:seen + new].copy_(state)
+            self.cumulative_length.add_(new)
+            return self.keys, self.values
+        # return up to `size - 1` earlier tokens and the new ones; keep the last `size`
+        earlier = torch.arange(seen - min(seen, size - 1), seen, device=self.device) % size
+        kept = torch.arange(seen + new - size, seen + new, device=self.device) % size
+        states = []
+        for cache, state in ((self.keys, key_states), (self.values, value_states)):
+            states.append(torch.cat((cache.index_select(2, earlier), state), dim=-2))
+            cache.index_copy_(2, kept, states[-1][:, :, -size:])
+        self.cumulative_length.add_(new)
+        return tuple(states)
+
+    def get_seq_length(self):
+        """The tokens seen, as a tensor (a compiled step does not specialize on it)."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if torch.compiler.is_compiling():
+            raise ValueError(
+                "The masks of a sliding-window static cache are built outside the compiled step (they depend on the "
+                "tokens seen): pass `attention_mask=model.create_masks_for_generate(...)`, as `generate` does."
+            )
+        self.cumulative_length_int = int(self.cumulative_length) if self.is_initialized else 0
+        return super().get_mask_sizes(query_length)
+
+    def to_slots(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A mask `[..., q, kv]` built oldest first -> in the order of the keys the next update returns."""
+        seen, size = self.cumulative_length_int, self.max_cache_len
+        if mask is None or mask.shape[-2] != 1 or seen < size:
+            return mask
+        return mask.roll((seen + 1) % size, dims=-1)
+
+    def receiver_slots(self, query_length: int) -> dict:
+        """Where the next update's receivers sit among the keys it returns (`cache_dat.receiver_slots`): the first
+        one's index (a copy: the count is updated in place) and the ring's size."""
+        seen, size = self.cumulative_length, self.max_cache_len
+        first = seen % size if query_length == 1 else seen.clamp(max=size - 1)
+        return {"offset": first.clone(), "ring": size}
+
+
+# the layers `prepare_cache` gives a fresh cache's unused full and sliding layers (Transformers' own behaviour, which
+# the tests hold these to: `DynamicLayer`, `DATStaticSlidingWindowLayer`)
+DYNAMIC_LAYER = InPlaceCacheLayer
+STATIC_SLIDING_LAYER = RingSlidingWindowLayer
 
 
 def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bool = True,
                   cross_attention: bool = False) -> Cache | None:
-    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`/`DATStaticSlidingWindowLayer` (or the registered
-    "static_sliding" layer) in a `StaticCache`; in a `DynamicCache`, with `in_place`, the registered "dynamic" layer
-    (`capacity`: expected length) if any; an `EncoderDecoderCache`'s cross-attention half gets full layers. Returns
-    `cache`."""
+    """Give a fresh cache's unused layers DAT's: `DATStaticLayer`s and ring sliding layers (`STATIC_SLIDING_LAYER`)
+    in a `StaticCache`; in a `DynamicCache`, with `in_place`, in-place layers (`DYNAMIC_LAYER`, `capacity`: expected
+    length); an `EncoderDecoderCache`'s cross-attention half gets full layers. Returns `cache`."""
     if isinstance(cache, EncoderDecoderCache):
         prepare_cache(cache.self_attention_cache, capacity, in_place)
         prepare_cache(cache.cross_attention_cache, None, in_place, cross_attention=True)
     elif type(cache) is DynamicCache and not getattr(cache, "offloading", False):
-        faster = CACHE_LAYERS.installed("dynamic") if in_place else None
+        faster = DYNAMIC_LAYER if in_place and DYNAMIC_LAYER is not DynamicLayer else None
         full = DynamicLayer if faster is None else partial(faster, capacity)
         for i, layer in enumerate(cache.layers):
             if not layer.is_initialized and (type(layer) is DynamicLayer and faster is not None
@@ -124,7 +308,7 @@ def prepare_cache(cache: Cache | None, capacity: int | None = None, in_place: bo
         if cache.layer_class_to_replicate is DynamicLayer:
             cache.layer_class_to_replicate = full
     elif isinstance(cache, StaticCache):
-        sliding = CACHE_LAYERS.installed("static_sliding", DATStaticSlidingWindowLayer)
+        sliding = STATIC_SLIDING_LAYER
         for i, layer in enumerate(cache.layers):
             unused = not layer.is_initialized or _initialized_ahead(layer)
             if type(layer) is StaticLayer and unused:
@@ -348,15 +532,60 @@ class PagedCache(ForwardCache):
         return self._relative_index[layer_type]
 
 
-@replaceable("paged_views")
+def _token_rows(read: torch.Tensor):
+    """A half read back, `[1, heads, N, d]` -> (tensor with each token's `heads * d` elements contiguous, token
+    stride, token 0's storage offset)."""
+    if read.stride(3) != 1 or read.stride(1) != read.shape[3]:
+        read = read.transpose(1, 2).contiguous().transpose(1, 2)
+    return read, read.stride(2), read.storage_offset()
+
+
+@lru_cache(maxsize=None)
+def paged_layout(widths: tuple[int, ...], head_dim: int) -> tuple[int, int, tuple]:
+    """A packed token of parts `widths` in the cache's two halves -> (heads, zero padding, per part (half, start,
+    end), or (None, start in the first half, end in the second) for the part across them)."""
+    width = sum(widths)
+    heads = -(-width // (2 * head_dim))
+    half, pieces, start = heads * head_dim, [], 0
+    for part in widths:
+        end = start + part
+        if end <= half:
+            pieces.append((0, start, end))
+        elif start >= half:
+            pieces.append((1, start - half, end - half))
+        else:
+            pieces.append((None, start, end - half))
+        start = end
+    return heads, 2 * half - width, tuple(pieces)
+
+
 def paged_views(packed: PackedCache, halves, widths: tuple) -> tuple:
     """The cache's key and value halves read back, `[1, heads, N, d_h]` each, holding N packed tokens of parts
-    `widths` -> `packed.views` of them: keys per head type `[1, h_kv, N, d_h]`, values. The reference joins the halves
-    (a copy); `import dat_hf` installs views of the pages without it (`dat_hf/kernels/paged_views.py`)."""
-    n = halves[0].shape[2]
-    tokens = torch.cat([half.transpose(1, 2).reshape(1, n, -1) for half in halves], dim=-1)
-    keys, *values = tokens[..., :sum(widths)].split(widths, dim=-1)
-    return packed.views(keys.view(1, n, -1, packed.head_dim).transpose(1, 2), values)
+    `widths` -> `packed.views` of them: keys per head type `[1, h_kv, N, d_h]`, values; strided views of the pages,
+    without a copy (except the one part that straddles the halves, joined)."""
+    d = packed.head_dim
+    heads, _, pieces = paged_layout(widths, d)
+    half = heads * d
+    read = [_token_rows(part) for part in halves]
+    n = read[0][0].shape[2]
+    # per part: (element offset, heads; 0: relation keys), keys one per head type
+    part_views = [[(sum(packed.key_heads[:i]) * d, h) for i, h in enumerate(packed.key_heads)]]
+    part_views += [[(0, h)] for h in packed.value_heads]
+    views = []
+    for (h, start, end), width, offsets in zip(pieces, widths, part_views):
+        if h is None:  # across the halves: both pieces, `[N, width]`
+            (first, row0, at0), (second, row1, at1) = read
+            base = torch.cat((first.as_strided((n, half - start), (row0, 1), at0 + start),
+                              second.as_strided((n, end), (row1, 1), at1)), dim=-1)
+            row, at = width, base.storage_offset()
+        else:
+            base, row, at = read[h]
+            at += start
+        for offset, heads in offsets:  # `[1, heads, N, d]`, or relation keys `[1, N, R, d_r]`
+            size, stride = (((heads, n, d), (d, row, 1)) if heads else
+                            ((n, *packed.relation_shape), (row, packed.relation_shape[1], 1)))
+            views.append(base.as_strided((1, *size), (n * row, *stride), at + offset))
+    return views[:len(packed.key_heads)], views[len(packed.key_heads):]
 
 
 def paged_masks(attention_mask, config, cache) -> dict[str, AttentionMask]:
@@ -439,6 +668,7 @@ def paged_biases() -> list[str]:
     return [name for name, bias in RELATIONAL_BIASES.items() if not bias.cross and paging_limit(name) is None]
 
 
-__all__ = ["CACHE_LAYERS", "DATStaticLayer", "DATStaticSlidingWindowLayer", "ForwardCache", "NO_CACHE",
+__all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "DYNAMIC_LAYER", "ForwardCache", "InPlaceCacheLayer",
+           "NO_CACHE", "RingSlidingWindowLayer", "STATIC_SLIDING_LAYER",
            "PAGED_ARGUMENTS", "PackedCache", "PagedCache", "check_cache", "forward_cache", "continuous_batching_limits", "open_cache", "packed_update", "paged_biases",
-           "paged_masks", "paged_views", "paging_limit", "prepare_cache", "receiver_slots", "self_attention_cache"]
+           "paged_layout", "paged_masks", "paged_views", "paging_limit", "prepare_cache", "receiver_slots", "self_attention_cache"]

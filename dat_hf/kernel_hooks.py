@@ -8,11 +8,10 @@ code without `dat_hf` runs the references, unchecked).
     BACKENDS.of("relational").register("mine", function, supports, preferred_on=("cuda",), mask_format="tensor")
     BACKENDS.of("sensory").register("sdpa", function)            # by `attn_implementation`
     register_kernel("rotary", function, accepts)                 # a compiled kernel of `@replaceable("rotary")`
-    BACKENDS.of("cache_layers").register("dynamic", LayerClass)  # a faster cache layer (`cache_dat.CACHE_LAYERS`)
 
-Each kind (a head type, a `@replaceable` function's name, `cache_layers`) has one table of named entries (`Backend`);
+Each kind (a head type, a `@replaceable` function's name) has one table of named entries (`Backend`);
 a head type's backends are chosen per forward by the attention plan, a replaceable function's kernels are tried in
-registration order (never while `torch.export` traces), a cache layer class replaces the layers its name stands for.
+registration order (never while `torch.export` traces).
 `check_inputs("name", ...)` runs `INPUT_CHECKS["name"]` if installed.
 """
 
@@ -60,8 +59,7 @@ class BackendTable(dict):
 
 
 class Backends:
-    """Every kind's table: the head types `sensory` and `relational`, each `@replaceable` function's name, and
-    `cache_layers` (classes)."""
+    """Every kind's table: the head types `sensory` and `relational`, and each `@replaceable` function's name."""
 
     def __init__(self):
         self.kinds: dict[str, BackendTable] = {}

@@ -38,14 +38,25 @@ from dat_hf import DATConfig  # noqa: E402
 
 
 def set_kernels_aside(monkeypatch, names=None):
-    """No compiled kernel for the replaceable functions `names` (default: every one, and the faster `cache_layers`) in
-    this test: their tables of the one registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
+    """No compiled kernel for the replaceable functions `names` (default: every one) in this test: their tables of the
+    one registry (`kernel_hooks.BACKENDS`) emptied, restored afterwards."""
     from dat_hf import kernel_hooks
 
     for kind, table in kernel_hooks.BACKENDS.kinds.items():
         if kind not in kernel_hooks.HEAD_TYPES and (names is None or kind in names):
             for name in list(table):
                 monkeypatch.delitem(table, name)
+
+
+def use_transformers_cache_layers(monkeypatch):
+    """The caches `prepare_cache` fills keep Transformers' own behaviour in this test: `DynamicLayer`s, and sliding
+    windows rolled oldest first (`DATStaticSlidingWindowLayer`), instead of DAT's in-place and ring layers."""
+    from transformers.cache_utils import DynamicLayer
+
+    from dat_hf import cache_dat
+
+    monkeypatch.setattr(cache_dat, "DYNAMIC_LAYER", DynamicLayer)
+    monkeypatch.setattr(cache_dat, "STATIC_SLIDING_LAYER", cache_dat.DATStaticSlidingWindowLayer)
 
 
 def tiny_config(**overrides) -> DATConfig:

@@ -16,12 +16,11 @@ static caches.
 
 import pytest
 import torch
-from conftest import set_kernels_aside, tiny_config
+from conftest import tiny_config, use_transformers_cache_layers
 from transformers.cache_utils import DynamicLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
-from dat_hf.cache_dat import DATStaticSlidingWindowLayer
-from dat_hf.kernels.caches import InPlaceCacheLayer, RingSlidingWindowLayer
+from dat_hf.cache_dat import DATStaticSlidingWindowLayer, InPlaceCacheLayer, RingSlidingWindowLayer
 from dat_hf.transformers_compat import output_cache
 
 NEW_TOKENS = 8
@@ -89,27 +88,26 @@ def test_causal_lm_cached_logits_equal_recomputation(name):
     assert_generation_matches_recomputation(causal_lm(**overrides), *prompt_and_mask(left_padded), **generate_kwargs)
 
 
-# the faster layer `import dat_hf` installs -> the remote code's own (Transformers' `DynamicLayer`, the window rolled)
-REMOTE_CODE_CASES = {
+# DAT's cache layer -> Transformers' own behaviour (`DynamicLayer`, the window rolled oldest first)
+TRANSFORMERS_LAYER_CASES = {
     "dynamic-left-padded": (InPlaceCacheLayer, DynamicLayer),
     "sliding-window-ring": (RingSlidingWindowLayer, DATStaticSlidingWindowLayer),  # the prompt fills the window
     "decoding-fills-window": (RingSlidingWindowLayer, DATStaticSlidingWindowLayer),
 }
 
 
-@pytest.mark.parametrize("name", list(REMOTE_CODE_CASES))
-def test_remote_code_cache_layers_give_the_scores_of_the_installed_ones(name, monkeypatch):
-    """Without the cache layers `import dat_hf` installs (`cache_dat.CACHE_LAYERS` emptied: a model's remote code
-    alone), generation keeps Transformers' layers and gives the tokens and logits of the installed ones, which equal
-    recomputation."""
+@pytest.mark.parametrize("name", list(TRANSFORMERS_LAYER_CASES))
+def test_transformers_cache_layers_give_the_scores_of_dats(name, monkeypatch):
+    """DAT's in-place and ring cache layers give the tokens and logits of Transformers' own layers (`DynamicLayer`,
+    the window rolled oldest first), which equal recomputation."""
     overrides, left_padded, generate_kwargs = CAUSAL_CASES[name]
     model, (prompt, mask) = causal_lm(**overrides), prompt_and_mask(left_padded)
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                   pad_token_id=0, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
     installed = model.generate(prompt, **kwargs)
-    set_kernels_aside(monkeypatch, ["cache_layers"])
+    use_transformers_cache_layers(monkeypatch)
     remote = model.generate(prompt, **kwargs)
-    for out, layer_class in zip((installed, remote), REMOTE_CODE_CASES[name]):
+    for out, layer_class in zip((installed, remote), TRANSFORMERS_LAYER_CASES[name]):
         assert all(type(layer) is layer_class for layer in output_cache(out).layers), layer_class
     assert torch.equal(remote.sequences, installed.sequences)
     torch.testing.assert_close(torch.stack(remote.logits), torch.stack(installed.logits), atol=ATOL, rtol=0)

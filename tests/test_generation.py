@@ -15,7 +15,7 @@ from conftest import enable_checkpointing, tiny_config
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from dat_hf import DATForCausalLM, DATForSequenceClassification
-from dat_hf.kernels.caches import InPlaceCacheLayer
+from dat_hf.cache_dat import InPlaceCacheLayer
 from dat_hf.transformers_compat import cache_kwargs, output_cache
 
 ATOL = 1e-5

@@ -21,15 +21,14 @@
 
 import pytest
 import torch
-from conftest import set_kernels_aside, set_torch_config, tiny_config
+from conftest import set_torch_config, tiny_config, use_transformers_cache_layers
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import get_first_incompatible_cudagraph_node
 from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticLayer
 
 from dat_hf import DATForCausalLM, DATForSeq2SeqLM, DATSeq2SeqConfig
-from dat_hf.cache_dat import DATStaticLayer, DATStaticSlidingWindowLayer
-from dat_hf.kernels.caches import RingSlidingWindowLayer
+from dat_hf.cache_dat import DATStaticLayer, DATStaticSlidingWindowLayer, RingSlidingWindowLayer
 from dat_hf.transformers_compat import output_cache
 
 LM_CASES = {
@@ -268,11 +267,11 @@ def test_beam_search_with_sliding_window_caches():
 @pytest.mark.parametrize("ring", [True, False])
 @pytest.mark.parametrize("symbols", ["symbolic_attention", "position_relative"])
 def test_chunks_into_a_sliding_window_static_cache(symbols, ring, monkeypatch):
-    """Every kind of update of a sliding-window static layer (6 slots), the ring `import dat_hf` installs or (remote
-    code alone) Transformers' window rolled oldest first: one token before and once the window is full, several tokens
-    that fit, that fill it, and after it is full; each chunk's logits are the full forward's."""
+    """Every kind of update of a sliding-window static layer (6 slots), DAT's ring or Transformers' window rolled
+    oldest first: one token before and once the window is full, several tokens that fit, that fill it, and after it
+    is full; each chunk's logits are the full forward's."""
     if not ring:
-        set_kernels_aside(monkeypatch, ["cache_layers"])
+        use_transformers_cache_layers(monkeypatch)
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=5,
                                        symbol_retrieval=symbols)).eval()

@@ -1,17 +1,15 @@
-"""Compiled kernels and faster cache layers for dat_hf, registered with the model files' registries when `dat_hf` is
+"""Compiled kernels and fast paths for dat_hf, registered with the model files' registries when `dat_hf` is
 imported.
 
 The model files never import this package, so a model loaded as Hub remote code without `dat_hf` runs the PyTorch
-backends (`eager`, `sdpa`, `flex_attention`), the reference functions and Transformers' cache layers.
+backends (`eager`, `sdpa`, `flex_attention`), the reference functions.
 
-- `caches`: the in-place dynamic cache layer and the ring sliding-window static one (`cache_dat.CACHE_LAYERS`).
 - `contracts`: what each op that takes over a whole step computes (every config field and module type
   classified), and whether it may run a given module, decided once.
 - `cpu`: relational attention for CPU float32 (backend `"cpu"`: flash-style forward and backward, one-op decoding
   step), RoPE and the MLP's SwiGLU in one pass each; C++ sources in `csrc/`, built on first use (`cpu_build`) or
   ahead with `python -m dat_hf.kernels build` (`status` shows the cache).
 - `mlp`: the MLP's activation recomputed in backward (any device), with the SwiGLU op on CPU.
-- `paged_views`: continuous batching's paged cache read back as views of its pages, without a copy.
 - `plan_entries`: the attention plan's entries, which attend block by block over receiver blocks and fall back from a
   compiled backend whose kernel fails to the next one.
 - `projections`: a layer's input projections as one matrix product over the concatenated weights.
@@ -22,14 +20,11 @@ backends (`eager`, `sdpa`, `flex_attention`), the reference functions and Transf
   package imports; its kernels run on CPU tensors when `TRITON_INTERPRET=1` is set before `dat_hf` is imported.
 """
 
-from . import (caches, contracts, cpu, mlp, paged_views, plan_entries, projections, receiver_blocks,
-               tensor_parallel)
+from . import contracts, cpu, mlp, plan_entries, projections, receiver_blocks, tensor_parallel
 from .cpu import cpu_kernel_ready, load_cpu_kernel
 
-caches.register()
 cpu.register()
 mlp.register()
-paged_views.register()
 plan_entries.register()
 projections.register()
 receiver_blocks.register()

@@ -27,13 +27,13 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .. import dual_attention
+from ..cache_dat import InPlaceCacheLayer
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
 from ..relational_attention import relational_output
 from . import contracts, projections
 from .autograd import relational_op_autograd
-from .caches import InPlaceCacheLayer
 from .cpu_build import build_extension
 
 _READY = [False]
