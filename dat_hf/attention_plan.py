@@ -10,14 +10,15 @@
 """
 
 import copy
+import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 
-from .kernel_hooks import BACKENDS
-from .masking_dat import AttentionMask
-from .relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall, select_relational_attention
+from .masking_dat import AttentionMask, WindowMask
+from .relational_attention import (RELATIONAL_ATTENTION_FUNCTIONS, RelationalBackendUnavailable, RelationalCall,
+                                   select_relational_attention)
 # (the import registers the `sdpa` and `flex_attention` relational backends)
 from .relational_attention_fused import fused_values_limits
 from .sensory_attention import SENSORY_ATTENTION_FUNCTIONS, sensory_attention_backend
@@ -27,8 +28,7 @@ from .transformers_compat import attention_implementation
 class KernelMask(NamedTuple):
     """The mask as kernels take it, under the mask rule (`masking_dat.AttentionMask`): `mask` None or
     `[b|1, 1, q, kv]`; `is_causal` for a None mask; `window`: a sliding window over the whole sequence ("window"
-    format, from what `import dat_hf` installs: `kernels/receiver_blocks.py`; `mask` is then its padding
-    `[b, 1, 1, kv]` or None)."""
+    format: a long window's `masking_dat.SlidingWindow`; `mask` is then its padding `[b, 1, 1, kv]` or None)."""
 
     mask: torch.Tensor | None
     is_causal: bool
@@ -56,10 +56,35 @@ def mask_in_format(mask: AttentionMask, mask_format: str, q_len: int | None = No
     raise ValueError(f"Unknown mask format {mask_format!r}; one of {MASK_FORMATS}.")
 
 
+class _Cut(torch.autograd.Function):
+    """Ranges of `x` along `dim` as views; backward accumulates them into one zero tensor (not one per range)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, ranges):
+        ctx.shape, ctx.dim, ctx.ranges = x.shape, dim, ranges
+        return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = None
+        for (lo, hi), g in zip(ctx.ranges, grads):
+            if g is not None:
+                grad = g.new_zeros(ctx.shape) if grad is None else grad
+                grad.narrow(ctx.dim, lo, hi - lo).add_(g)
+        return grad, None, None
+
+
+def cut(x: torch.Tensor, dim: int, ranges) -> tuple:
+    """`x` cut to each `(lo, hi)` of `ranges` along `dim` (views; one backward node for all of them)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Cut.apply(x, dim, list(ranges))
+    return tuple(x.narrow(dim, lo, hi - lo) for lo, hi in ranges)
+
+
 class PlannedAttention:
     """One head type over one bias in this forward: `name`, `mask` (in its format), `row_valid` (None or bool
-    `[b, 1, q, 1]`). `import dat_hf` installs subclasses that attend block by block over masks with receiver blocks
-    (`PLAN_ENTRIES`)."""
+    `[b, 1, q, 1]`), and `blocks` where it attends block by block over its mask's receiver blocks: `(q0, q1, kv0, kv1,
+    mask)` per block (the mask in the entry's format), or None."""
 
     def __init__(self, source: AttentionMask, name: str, function, mask_format: str, output_attentions: bool = False):
         self.name, self.function, self.mask_format = name, function, mask_format
@@ -75,8 +100,31 @@ class PlannedAttention:
         self.mask = self._kernel_mask(source)
 
     def _kernel_mask(self, source: AttentionMask):
-        """The mask the function takes (None for "dense": `weights_mask` forms it per shape)."""
+        """The mask the function takes (None for "dense": `weights_mask` forms it per shape; None with `blocks`)."""
+        self.blocks = None
+        if self._blockable(source) and source.receiver_blocks is not None:
+            fmt = "tensor" if self.mask_format == "window" else self.mask_format
+            self.blocks = tuple((q0, q1, kv0, kv1, mask_in_format(source.block(q0, q1, kv0, kv1), fmt, q1 - q0,
+                                                                  kv1 - kv0))
+                                for q0, q1, kv0, kv1 in source.receiver_blocks)
+            return None
+        if self.mask_format == "window" and isinstance(source, WindowMask):  # the whole window to the kernel
+            padding = source.window.padding
+            return KernelMask(None if padding is None else padding[:, None, None, :], source.is_causal, source.window)
         return None if self.mask_format == "dense" else mask_in_format(source, self.mask_format)
+
+    def _blockable(self, source: AttentionMask) -> bool:
+        """No receiver blocks for weights, a BlockMask (it skips blocks itself) nor a whole sliding window."""
+        return not self.output_attentions and (self.mask_format in ("dense", "tensor", "reference") or (
+            self.mask_format == "window" and not isinstance(source, WindowMask)))
+
+    def _by_blocks(self, attend, receivers, senders):
+        """`attend(mask, receiver_parts, sender_parts)` per block (`(tensor, dim)` pairs cut), concatenated on dim 1."""
+        blocks = self.blocks
+        receiver_parts = [cut(t, dim, [(q0, q1) for q0, q1, *_ in blocks]) for t, dim in receivers]
+        sender_parts = [cut(t, dim, [(kv0, kv1) for _, _, kv0, kv1, _ in blocks]) for t, dim in senders]
+        return torch.cat([attend(blocks[i][4], [parts[i] for parts in receiver_parts],
+                                 [parts[i] for parts in sender_parts]) for i in range(len(blocks))], dim=1)
 
     def to(self, device, non_blocking: bool = False) -> "PlannedAttention":
         """This entry with its masks on `device` (itself if already there), for accelerate's hooks."""
@@ -111,6 +159,9 @@ class PlannedSensory(PlannedAttention):
 
     def __call__(self, module, query, key, value, dropout: float = 0.0, **kwargs):
         """query `[b, h, q, d_h]`, key, value `[b, h_kv, kv, d_h]` -> `[b, q, h, d_h]`."""
+        if self.blocks is not None:
+            return self._zero_isolated(self._by_blocks(lambda mask, receivers, senders: self._run(
+                module, *receivers, *senders, mask, dropout, **kwargs), [(query, 2)], [(key, 2), (value, 2)]))
         q_len, kv_len = query.shape[2], key.shape[2]
         senders = self._senders(q_len, kv_len)
         if senders < kv_len:
@@ -127,8 +178,9 @@ class PlannedSensory(PlannedAttention):
 
 
 class PlannedRelational(PlannedAttention):
-    """Relational heads: a registered backend (`import dat_hf` installs the entry that falls back to the next one
-    where a compiled kernel fails: `dat_hf/kernels/plan_entries.py`)."""
+    """Relational heads: a registered backend; where a compiled backend's kernel fails to compile or launch
+    (`RelationalBackendUnavailable`), the next one takes over (`_fall_back`). Block by block over receiver blocks
+    except for position-relative symbols, whose rows follow each receiver's position."""
 
     def __init__(self, source: AttentionMask, call: RelationalCall, requested: str | None,
                  attn_implementation: str | None, per_request: bool = False):
@@ -143,13 +195,43 @@ class PlannedRelational(PlannedAttention):
         """Inputs as `eager_relational_attention` -> messages `[b, q, h, d_h]`; records the backend on `module`."""
         args = (query, key, symbol_values, relation_queries, relation_keys, module.local_relation_proj(),
                 module.spec, module.attention_dropout if module.training else 0.0, symbols_at)
-        messages = self._attend(*args)
+        while True:
+            try:
+                messages = self._attend(*args)
+                break
+            except RelationalBackendUnavailable as error:
+                if torch.compiler.is_compiling():
+                    raise
+                self._fall_back(error)
         if not torch.compiler.is_compiling() and getattr(module, "relational_attention_backend", None) != self.name:
             module.relational_attention_backend = self.name  # (`__setattr__` is slow)
         return messages
 
+    def _blockable(self, source: AttentionMask) -> bool:
+        return not self.call.relative_symbols and super()._blockable(source)
+
+    def _fall_back(self, error: RelationalBackendUnavailable):
+        """Drop the failed backend on this device type for the process (one `RuntimeWarning`) and take the next;
+        re-raise for a requested backend."""
+        device, failed = self.call.device, self.name
+        if (self.requested is not None or failed == "eager"
+                or (failed, device) in RELATIONAL_ATTENTION_FUNCTIONS.unavailable):
+            raise error
+        RELATIONAL_ATTENTION_FUNCTIONS.unavailable[(failed, device)] = str(error)
+        self.__init__(self.source, self.call, self.requested, self.attn_implementation, self.per_request)
+        warnings.warn(f"dat_hf: the {failed!r} relational attention backend is not used on {device} from now on in "
+                      f"this process; {self.name!r} runs instead. {error}", RuntimeWarning, stacklevel=4)
+
     def _attend(self, query, key, symbol_values, relation_queries, relation_keys, relation_proj, spec, dropout,
                 symbols_at):
+        if self.blocks is not None and not self.per_request:
+            def attend_block(mask, receivers, senders):
+                (query_part, relation_query_part), (key_part, symbol_part, relation_key_part) = receivers, senders
+                return self.function(query_part, key_part, symbol_part, relation_query_part, relation_key_part,
+                                     relation_proj, mask, spec, dropout)[0]
+
+            return self._zero_isolated(self._by_blocks(attend_block, [(query, 2), (relation_queries, 1)],
+                                                       [(key, 2), (symbol_values, 2), (relation_keys, 1)]))
         if self.per_request:  # [1, h, q, d_h] -> [q, h, 1, d_h] over the row's keys (expanded views)
             rows = query.shape[2]
             query, relation_queries = query.transpose(0, 2), relation_queries.transpose(0, 1)
@@ -175,12 +257,6 @@ def sensory_function(config, output_attentions: bool) -> tuple:
     if output_attentions:
         return implementation, SENSORY_ATTENTION_FUNCTIONS["eager"]
     return implementation, sensory_attention_backend(implementation)
-
-
-# the plan's entry classes by head type ("sensory", "relational"): `import dat_hf` installs subclasses that also attend
-# block by block over masks with receiver blocks and fall back from a failing compiled backend
-# (`dat_hf/kernels/plan_entries.py`); none: the classes above
-PLAN_ENTRIES = BACKENDS.of("plan_entries")
 
 
 class PlanReads(NamedTuple):
@@ -236,10 +312,10 @@ class PlanReads(NamedTuple):
 
 
 def registry_state() -> tuple:
-    """The registry entries a plan reads: the relational backends (and those taken out of automatic selection), the
-    sensory functions and the plan's entry classes."""
+    """The registry entries a plan reads: the relational backends (and those taken out of automatic selection) and
+    the sensory functions."""
     return (tuple(RELATIONAL_ATTENTION_FUNCTIONS.items()), tuple(RELATIONAL_ATTENTION_FUNCTIONS.unavailable.items()),
-            tuple(SENSORY_ATTENTION_FUNCTIONS.items()), tuple(PLAN_ENTRIES.items()))
+            tuple(SENSORY_ATTENTION_FUNCTIONS.items()))
 
 
 class AttentionPlan(NamedTuple):
@@ -263,15 +339,13 @@ class AttentionPlan(NamedTuple):
         """The plan over `masks` from `reads` alone (nothing else is read)."""
         backend = reads.sensory_backend
         name = "eager" if backend is SENSORY_ATTENTION_FUNCTIONS["eager"] else reads.implementation
-        planned_sensory = PLAN_ENTRIES.installed("sensory", PlannedSensory)
-        planned_relational = PLAN_ENTRIES.installed("relational", PlannedRelational)
-        sensory = {bias: planned_sensory(masks[bias], name, backend.function, backend.mask_format,
+        sensory = {bias: PlannedSensory(masks[bias], name, backend.function, backend.mask_format,
                                          reads.output_attentions) for bias in reads.sensory_biases}
         relational = {}
         for bias in reads.relational_biases:
             mask = masks[bias].rows_as_batch() if reads.per_request else masks[bias]
-            relational[bias] = planned_relational(mask, reads.call(mask), reads.requested, reads.implementation,
-                                                  reads.per_request)
+            relational[bias] = PlannedRelational(mask, reads.call(mask), reads.requested, reads.implementation,
+                                                 reads.per_request)
         return cls(sensory, relational, reads)
 
     def serves(self, masks: dict, reads: PlanReads) -> bool:
@@ -314,5 +388,5 @@ def gradients_flow(model, inputs_embeds: torch.Tensor) -> bool:
     return inputs_embeds.requires_grad or any(p.requires_grad for p in model.parameters())
 
 
-__all__ = ["MASK_FORMATS", "PLAN_ENTRIES", "AttentionPlan", "KernelMask", "PlanReads", "PlannedRelational",
+__all__ = ["MASK_FORMATS", "AttentionPlan", "KernelMask", "PlanReads", "PlannedRelational",
            "PlannedSensory", "gradients_flow", "mask_in_format", "plan_attention", "registry_state"]

@@ -669,6 +669,7 @@ def paged_biases() -> list[str]:
 
 
 __all__ = ["DATStaticLayer", "DATStaticSlidingWindowLayer", "DYNAMIC_LAYER", "ForwardCache", "InPlaceCacheLayer",
-           "NO_CACHE", "RingSlidingWindowLayer", "STATIC_SLIDING_LAYER",
-           "PAGED_ARGUMENTS", "PackedCache", "PagedCache", "check_cache", "forward_cache", "continuous_batching_limits", "open_cache", "packed_update", "paged_biases",
-           "paged_layout", "paged_masks", "paged_views", "paging_limit", "prepare_cache", "receiver_slots", "self_attention_cache"]
+           "NO_CACHE", "RingSlidingWindowLayer", "STATIC_SLIDING_LAYER", "PAGED_ARGUMENTS", "PackedCache",
+           "PagedCache", "check_cache", "forward_cache", "continuous_batching_limits", "open_cache", "packed_update",
+           "paged_biases", "paged_layout", "paged_masks", "paged_views", "paging_limit", "prepare_cache",
+           "receiver_slots", "self_attention_cache"]

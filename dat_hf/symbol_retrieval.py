@@ -130,4 +130,5 @@ class SymbolRetrievers(nn.Module):
         return retriever(hidden_states, symbol_library=library, position_ids=position_ids)
 
 
-__all__ = ["symbolic_attention", "SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols", "SymbolRetrievers", "SYMBOL_RETRIEVERS"]
+__all__ = ["symbolic_attention", "SymbolicAttention", "PositionalSymbols", "PositionRelativeSymbols",
+           "SymbolRetrievers", "SYMBOL_RETRIEVERS"]

@@ -11,7 +11,7 @@ A case (`draw_case(seed)`) draws:
 - the inputs: batch 1-3, 1-300 tokens (mostly short: the reference is O(n^2)), left padding per row (a row may be
   all padding but one token);
 - the backends: sensory `eager` / `sdpa` / `flex_attention` x relational every registered name or automatic
-  selection, and the sizes at which receivers go block by block (`receiver_blocks.RECEIVER_BLOCK`) and the reference
+  selection, and the sizes at which receivers go block by block (`masking_dat.RECEIVER_BLOCK`) and the reference
   splits its receivers (`relational_attention.BLOCK_ELEMENTS`), so that short inputs take the blocked paths too;
 - what is checked: float32 against the float64 reference (eager, explicit stages), bf16 against it, or cached
   generation (dynamic, static, sliding-window ring caches) against recomputation without a cache, by scores.
@@ -34,7 +34,7 @@ import torch
 
 from dat_hf import DATConfig, DATEncoderConfig, DATEncoderModel, DATForCausalLM
 from dat_hf import relational_attention
-from dat_hf.kernels import receiver_blocks
+import dat_hf.masking_dat as masking_dat
 from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
 
 FP32_ATOL, FP32_RTOL = 2e-5, 2e-5
@@ -171,12 +171,12 @@ def make_inputs(case: Case):
 @contextlib.contextmanager
 def block_sizes(case: Case):
     """The case's receiver block and reference block sizes (so short inputs take the blocked paths)."""
-    saved = receiver_blocks.RECEIVER_BLOCK, relational_attention.BLOCK_ELEMENTS
-    receiver_blocks.RECEIVER_BLOCK, relational_attention.BLOCK_ELEMENTS = case.receiver_block, case.block_elements
+    saved = masking_dat.RECEIVER_BLOCK, relational_attention.BLOCK_ELEMENTS
+    masking_dat.RECEIVER_BLOCK, relational_attention.BLOCK_ELEMENTS = case.receiver_block, case.block_elements
     try:
         yield
     finally:
-        receiver_blocks.RECEIVER_BLOCK, relational_attention.BLOCK_ELEMENTS = saved
+        masking_dat.RECEIVER_BLOCK, relational_attention.BLOCK_ELEMENTS = saved
 
 
 @contextlib.contextmanager

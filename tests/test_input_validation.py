@@ -332,7 +332,8 @@ def test_compiled_forward_skips_value_checks_only():
 
 # ---- where the checks live: installed by `import dat_hf`, not in the remote code ---------------------------------
 PACKAGE_DIR = Path(dat_hf.__file__).parent
-MODEL_FILES = ("modeling_dat.py", "modeling_dat_encoder.py", "modeling_dat_vision.py", "modeling_dat_seq2seq.py")
+MODEL_FILES = ("modeling_dat.py", "modeling_dat_encoder.py", "modeling_dat_vision.py", "modeling_dat_seq2seq.py",
+               "cache_dat.py")
 
 
 def called_checks() -> set[str]:

@@ -578,7 +578,6 @@ def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
     """A sliding window over 1100 tokens runs block by block (each block of 256 receivers against the senders it may
     see): same logits and gradients as one call over the whole mask."""
     import dat_hf.masking_dat as masking_dat
-    from dat_hf.kernels import receiver_blocks
 
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=40,
@@ -594,7 +593,7 @@ def test_receiver_blocks_of_a_sliding_window_match_the_whole_mask(monkeypatch):
     for backend in ("cpu", "sdpa"):
         model.config.relational_attn_implementation = backend
         blocked = logits_and_grads(model, {"input_ids": x, "attention_mask": attention_mask})
-        monkeypatch.setattr(receiver_blocks, "MIN_SKIPPED_SHARE", 2.0)  # never in blocks
+        monkeypatch.setattr(masking_dat, "MIN_SKIPPED_SHARE", 2.0)  # never in blocks
         whole = logits_and_grads(model, {"input_ids": x, "attention_mask": attention_mask})
         monkeypatch.undo()
         assert_close(blocked[0], whole[0], atol=1e-5, what=f"{backend} logits")
@@ -609,7 +608,7 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, bac
     where the window is on one head type of some layer; a static cache's empty slots beyond it) both head types read
     only the senders the window allows, with the tokens and logits of attending over the whole cache."""
     import dat_hf.attention_plan as attention_plan
-    from dat_hf.kernels import receiver_blocks
+    import dat_hf.masking_dat as masking_dat
 
     torch.manual_seed(0)
     model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=16,
@@ -646,7 +645,7 @@ def test_a_decoding_step_reads_only_the_senders_its_mask_allows(monkeypatch, bac
     assert {head for head, _ in steps} == {"SensoryAttention", "RelationalAttention"}
     assert {kv for _, kv in steps} == {17}, steps  # 16 previous tokens and itself, of 201-205 (static: 206) slots
     senders.clear()
-    monkeypatch.setattr(receiver_blocks, "MIN_SKIPPED_SHARE", 2.0)  # never in blocks: every step over the whole cache
+    monkeypatch.setattr(masking_dat, "MIN_SKIPPED_SHARE", 2.0)  # never in blocks: every step over the whole cache
     whole_tokens, whole_logits = generate()
     assert min(kv for _, q, kv in senders if q == 1) > 200
     assert torch.equal(tokens, whole_tokens)
@@ -664,7 +663,6 @@ def test_long_sliding_window_masks_come_from_index_arithmetic(monkeypatch, bias,
     """A long sliding window keeps its index arithmetic (`SlidingWindow`): its receiver blocks, isolated receivers,
     every block's mask and the dense mask (built only on request) equal those read from Transformers' dense mask."""
     import dat_hf.masking_dat as masking_dat
-    from dat_hf.kernels.receiver_blocks import block
 
     config = tiny_config(relational_bias="sliding_window", sliding_window_size=window, max_position_embeddings=2048)
     b, n, two_sided = 3, 1100, bias == "sliding_window_bidirectional"
@@ -675,7 +673,7 @@ def test_long_sliding_window_masks_come_from_index_arithmetic(monkeypatch, bias,
             attention_mask[row, start:stop] = False
     inputs_embeds = torch.zeros(b, n, 32)
     arithmetic = masking_dat.build_attention_mask(bias, config, inputs_embeds, attention_mask, causal=not two_sided)
-    set_kernels_aside(monkeypatch, ["long_window_mask"])  # (Transformers' dense mask)
+    monkeypatch.setattr(masking_dat, "long_window_mask", lambda *args: None)  # (Transformers' dense mask)
     dense = masking_dat.build_attention_mask(bias, config, inputs_embeds, attention_mask, causal=not two_sided)
     assert arithmetic.window is not None and arithmetic._mask is None
     assert arithmetic.receiver_blocks == dense.receiver_blocks is not None
@@ -685,8 +683,8 @@ def test_long_sliding_window_masks_come_from_index_arithmetic(monkeypatch, bias,
     if dense.row_valid is not None:
         assert torch.equal(arithmetic.row_valid, dense.row_valid)
     for receivers in arithmetic.receiver_blocks:
-        assert torch.equal(block(arithmetic, *receivers).mask.expand(b, -1, -1, -1),
-                           block(dense, *receivers).mask.expand(b, -1, -1, -1))
+        assert torch.equal(arithmetic.block(*receivers).mask.expand(b, -1, -1, -1),
+                           dense.block(*receivers).mask.expand(b, -1, -1, -1))
     assert torch.equal(arithmetic.dense(n, n, "cpu", 300, 700).expand(b, -1, -1, -1),
                        dense.dense(n, n, "cpu", 300, 700).expand(b, -1, -1, -1))
     assert torch.equal(arithmetic.mask.expand(b, -1, -1, -1), dense.mask)
@@ -696,14 +694,13 @@ def test_training_with_a_long_sliding_window_never_forms_the_dense_mask(monkeypa
     """Forward and backward over 1100 left-padded tokens with a sliding window: Transformers' dense window mask is
     never built, and no mask of more than one receiver block is formed (the step is O(n * window))."""
     import dat_hf.masking_dat as masking_dat
-    from dat_hf.kernels import receiver_blocks
 
     def refuse(*args, **kwargs):
         raise AssertionError("the dense n x n sliding-window mask was built")
 
     monkeypatch.setattr(masking_dat, "create_sliding_window_causal_mask", refuse)
-    shapes, allowed = [], receiver_blocks.SlidingWindow.allowed
-    monkeypatch.setattr(receiver_blocks.SlidingWindow, "allowed",
+    shapes, allowed = [], masking_dat.SlidingWindow.allowed
+    monkeypatch.setattr(masking_dat.SlidingWindow, "allowed",
                         lambda self, q0, q1, kv0, kv1, row_valid=None: shapes.append((q1 - q0, kv1 - kv0)) or allowed(
                             self, q0, q1, kv0, kv1, row_valid))
     torch.manual_seed(0)
@@ -712,5 +709,5 @@ def test_training_with_a_long_sliding_window_never_forms_the_dense_mask(monkeypa
     x = torch.randint(0, 97, (2, 1100))
     attention_mask = torch.ones_like(x).index_fill_(1, torch.arange(7), 0)
     model(input_ids=x, attention_mask=attention_mask, labels=x).loss.backward()
-    assert shapes and max(q for q, _ in shapes) <= receiver_blocks.RECEIVER_BLOCK
-    assert max(kv for _, kv in shapes) <= receiver_blocks.RECEIVER_BLOCK + 40
+    assert shapes and max(q for q, _ in shapes) <= masking_dat.RECEIVER_BLOCK
+    assert max(kv for _, kv in shapes) <= masking_dat.RECEIVER_BLOCK + 40

@@ -27,7 +27,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import set_kernels_aside, set_torch_config
+from conftest import set_torch_config
 from torch._inductor.exc import CppCompileError, InductorError
 from torch.nn.attention.flex_attention import create_mask
 
@@ -534,7 +534,7 @@ def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, enco
     """A long sliding window attends block by block from index arithmetic, never forming the n x n mask:
     the same outputs as through Transformers' dense mask, left-padded, in decoders and encoders; and in a decoder, a
     long prompt run into an empty cache (that path) then continued token by token matches the full forward."""
-    from dat_hf.kernel_hooks import BACKENDS
+    import dat_hf.masking_dat as masking_dat
 
     model = make_model(encoder=encoder, seed=3, relational_bias=bias, sliding_window_size=20,
                        max_position_embeddings=2048, symbol_retrieval="symbolic_attention")
@@ -542,14 +542,14 @@ def test_long_sliding_window_without_the_dense_mask_matches_it(monkeypatch, enco
     x = embeds(7, n)
     mask = torch.ones(2, n, dtype=torch.long)
     mask[1, :5] = 0
-    built, ((name, installed),) = [], BACKENDS.of("long_window_mask").items()  # (what `import dat_hf` installs)
-    monkeypatch.setitem(BACKENDS.of("long_window_mask"), name, installed._replace(
-        function=lambda *args, **kwargs: built.append(installed.function(*args, **kwargs)) or built[-1]))
+    built, long_window_mask = [], masking_dat.long_window_mask
+    monkeypatch.setattr(masking_dat, "long_window_mask",
+                        lambda *args: built.append(long_window_mask(*args)) or built[-1])
     with torch.no_grad():
         blockwise = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
         assert built and built[0].window is not None and built[0].receiver_blocks is not None
         with monkeypatch.context() as patch:
-            set_kernels_aside(patch, ["long_window_mask"])  # (Transformers' dense mask)
+            patch.setattr(masking_dat, "long_window_mask", lambda *args: None)  # (Transformers' dense mask)
             dense = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
         assert max_diff(blockwise[0], dense[0]) < ATOL and max_diff(blockwise[1, 5:], dense[1, 5:]) < ATOL
         if encoder:

@@ -39,7 +39,6 @@ from transformers.masking_utils import sliding_window_bidirectional_mask_functio
 
 import dat_hf.masking_dat as masking_dat
 from dat_hf import DATEncoderConfig, DATForCausalLM, DATForTokenClassification
-from dat_hf.kernels import receiver_blocks
 from dat_hf.kernels import triton_relational as kernel
 from dat_hf.kernels.triton_relational import _receiver_range, _sender_range
 from dat_hf.masking_dat import AttentionMask, receiver_positions, transformers_window
@@ -361,7 +360,7 @@ def test_causal_lm_logits_and_gradients_equal_eager(name):
 def window_model(family):
     """A tiny decoder (left padding) or token classifier (right padding) whose relational and sensory heads see a
     sliding window, and inputs long enough that it runs as `SlidingWindow` index arithmetic over receiver blocks of 8
-    (with `receiver_blocks.RECEIVER_BLOCK` = 8)."""
+    (with `masking_dat.RECEIVER_BLOCK` = 8)."""
     n, kept = 40, torch.tensor([40, 33, 26], device=DEVICE)
     if family == "decoder":
         model = DATForCausalLM(tiny_config(relational_bias="sliding_window", sliding_window_size=4))
@@ -382,12 +381,12 @@ def test_long_sliding_window_is_one_call_per_layer(monkeypatch, family):
     """A sliding window kept as index arithmetic goes to the kernel whole: one op call per layer with the window and
     the padding as a `[b, 1, 1, kv]` mask, the `eager` backend's logits and gradients, and no dense mask built (the
     sensory heads run block by block from the window's block masks)."""
-    monkeypatch.setattr(receiver_blocks, "RECEIVER_BLOCK", 8)
+    monkeypatch.setattr(masking_dat, "RECEIVER_BLOCK", 8)
 
     def refuse(self):
         raise AssertionError("the dense mask of a sliding window was built")
 
-    monkeypatch.setattr(receiver_blocks.WindowMask, "mask", property(refuse, receiver_blocks.WindowMask.mask.fset))
+    monkeypatch.setattr(masking_dat.WindowMask, "mask", property(refuse, masking_dat.WindowMask.mask.fset))
     op, windows = kernel.relational_attention_op, []
 
     def spy(*args, **kwargs):

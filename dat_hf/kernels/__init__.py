@@ -10,24 +10,18 @@ backends (`eager`, `sdpa`, `flex_attention`), the reference functions.
   step), RoPE and the MLP's SwiGLU in one pass each; C++ sources in `csrc/`, built on first use (`cpu_build`) or
   ahead with `python -m dat_hf.kernels build` (`status` shows the cache).
 - `mlp`: the MLP's activation recomputed in backward (any device), with the SwiGLU op on CPU.
-- `plan_entries`: the attention plan's entries, which attend block by block over receiver blocks and fall back from a
-  compiled backend whose kernel fails to the next one.
 - `projections`: a layer's input projections as one matrix product over the concatenated weights.
-- `receiver_blocks`: the receiver blocks of sparse graphs and long sliding windows (those without a dense `[q, kv]`
-  mask), which the plan's entries attend block by block.
 - `tensor_parallel`: a layer's input projections under tensor parallelism as one local product, one all-reduce.
 - `triton_relational`: relational attention in Triton for CUDA (backend `"triton"`), registered when the `triton`
   package imports; its kernels run on CPU tensors when `TRITON_INTERPRET=1` is set before `dat_hf` is imported.
 """
 
-from . import contracts, cpu, mlp, plan_entries, projections, receiver_blocks, tensor_parallel
+from . import contracts, cpu, mlp, projections, tensor_parallel
 from .cpu import cpu_kernel_ready, load_cpu_kernel
 
 cpu.register()
 mlp.register()
-plan_entries.register()
 projections.register()
-receiver_blocks.register()
 tensor_parallel.register()
 
 try:

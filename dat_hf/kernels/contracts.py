@@ -310,5 +310,5 @@ def runs(op: str, module: nn.Module, x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.is_cpu and (probe is None or (probe.dtype == torch.float32 and probe.is_cpu))
 
 
-__all__ = ["COVERED", "FIELDS", "MODULE_TYPES", "OPS", "OUTSIDE", "PER_CALL", "Requires", "Spec", "declined_fields", "declined_values",
-           "READS", "refresh", "rule", "runs", "spec"]
+__all__ = ["COVERED", "FIELDS", "MODULE_TYPES", "OPS", "OUTSIDE", "PER_CALL", "Requires", "Spec", "declined_fields",
+           "declined_values", "READS", "refresh", "rule", "runs", "spec"]

@@ -346,7 +346,8 @@ def accepts_symbolic_attention(module, hidden_states, library) -> bool:
                                                                                        hidden_states):
         return False
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    if rows > 1 and (rows > SYMBOLIC_OP_MAX_ROWS or module.template_features.numel() > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
+    tables = module.template_features.numel()
+    if rows > 1 and (rows > SYMBOLIC_OP_MAX_ROWS or tables > SYMBOLIC_TABLE_ELEMENTS_FOR_ROWS):
         return False
     return not (module.training and module.dropout > 0) and _plain_tensor(library) and load_cpu_kernel()
 
@@ -372,7 +373,8 @@ def cpu_decoding_step(module, hidden_states, symbols, position_embeddings, senso
 def _step_weights(module) -> list:
     """The weights `decoding_step_op` reads of the `DualAttention` `module`, in its order (see `_step_arguments`)."""
     sensory, relational = module.sensory, module.relational
-    symbol_proj, o_s, o_r = relational._modules["symbol_proj"], sensory._modules["o_proj"], relational._modules["o_proj"]
+    symbol_proj, o_r = relational._modules["symbol_proj"], relational._modules["o_proj"]
+    o_s = sensory._modules["o_proj"]
     return [[linear._parameters["weight"] for linear in dual_attention.head_linears(
                 sensory, relational, module.input_projections.projections)],
             symbol_proj._parameters["weight"], symbol_proj._parameters["bias"], relational._parameters["relation_proj"],
