@@ -27,7 +27,6 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .. import dual_attention
-from ..cache_dat import InPlaceCacheLayer
 from ..kernel_hooks import register_kernel
 from ..masking_dat import receiver_offset
 from ..relational_attention import RELATIONAL_ATTENTION_FUNCTIONS, RelationalCall
@@ -489,17 +488,17 @@ def accepts_layer_step(layer, hidden_states, symbols, position_embeddings, senso
 def _takes_step(module, hidden_states, symbols, position_embeddings, sensory_plan, relational_plan, cache,
                 **kwargs) -> bool:
     """A step's inputs as the ops take them: one new token per row (float32 on CPU: `contracts.runs`), without
-    gradients, returned weights or attention dropout in train mode, into an in-place dynamic cache layer of the forward's
-    `ForwardCache` (its room is checked when the op runs); symbols and RoPE's cos and sin of one token, float32 on CPU; plans that are the
-    automatic CPU ones (`sdpa` sensory heads, the `cpu` relational backend) over implicit masks (every cached token
-    visible)."""
+    gradients, returned weights or attention dropout in train mode, into a cache layer of the forward's `ForwardCache`
+    that lets a kernel write a token itself (`slots_for`: `cache_dat.InPlaceCacheLayer`; its room is checked when the
+    op runs); symbols and RoPE's cos and sin of one token, float32 on CPU; plans that are the automatic CPU ones
+    (`sdpa` sensory heads, the `cpu` relational backend) over implicit masks (every cached token visible)."""
     if (cache is None or torch.is_grad_enabled() or kwargs.get("output_attentions")
             or (module.training and module.sensory.attention_dropout > 0)):
         return False
     if not (sensory_plan.name == "sdpa" and relational_plan.name == "cpu" and not relational_plan.per_request
             and sensory_plan.source.implicit and relational_plan.source.implicit):
         return False
-    if type(cache.layer(module.layer_idx)) is not InPlaceCacheLayer:  # (a dynamic cache's, made by `prepare_cache`)
+    if getattr(cache.layer(module.layer_idx), "slots_for", None) is None:  # (a layer the op may write: in-place)
         return False
     if symbols is None or symbols.dtype != torch.float32 or symbols.shape[1] != 1 or not symbols.is_cpu:
         return False
