@@ -279,7 +279,7 @@ class DualAttentionConfig(PreTrainedConfig):
 
     @property
     def packed_cache_width(self) -> int:
-        """Elements per token one layer caches (`dual_attention.PackedCache`): keys of both head types (the sensory
+        """Elements per token one layer caches (`cache_dat.PackedCache`): keys of both head types (the sensory
         heads' only without `share_attention_params`), sensory values, symbol values (not for position-relative
         symbols, whose table is not cached) and relation keys."""
         d, sensory, relational = self.head_dim, self.num_sensory_heads > 0, self.num_relational_heads > 0
