@@ -30,7 +30,7 @@ from .kernel_hooks import check_inputs
 from .masking_dat import (AttentionMask, build_masks, prebuilt_masks, transformers_window, uses_flex_attention,
                           with_row_validity)
 from .relational_biases import RELATIONAL_BIASES, mask_function_of, pair_mask, relational_bias
-from .transformers_compat import PagedAttentionCache, paged_cache_limits
+from .transformers_compat import PagedAttentionCache, attention_implementation, paged_cache_limits
 
 
 # ---- the packed layout ----------------------------------------------------------------------------------------------
@@ -641,6 +641,10 @@ def continuous_batching_limits(config, tp_size: int = 1) -> list[str]:
             for bias in dict.fromkeys(value if isinstance(value, list) else [value]):
                 if bias is not None and (reason := paging_limit(bias)) is not None:
                     limits.append(f"`{name}`={bias!r}: {reason} (continuous batching serves {paged_biases()})")
+        # (Transformers' manager refuses it: "Implementation flex_attention is not supported for continuous batching")
+        if attention_implementation(config) == "flex_attention":
+            limits.append("`attn_implementation`='flex_attention' (Transformers' continuous batching runs 'sdpa' or "
+                          "'eager' heads over its paged cache)")
         # CODEPATH: a refusal, no checkpoint: no released config sets `relational_attn_implementation`.
         if config.relational_attn_implementation == "flex_attention":
             limits.append("`relational_attn_implementation`='flex_attention' (continuous batching's masks are "

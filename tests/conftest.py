@@ -48,6 +48,20 @@ def set_kernels_aside(monkeypatch, names=None):
                 monkeypatch.delitem(table, name)
 
 
+PYTORCH_RELATIONAL_BACKENDS = ("eager", "sdpa", "flex_attention")  # (the model files' own: what remote code runs)
+
+
+def set_fast_paths_aside(monkeypatch):
+    """Everything `import dat_hf` installs into the model files' hook points set aside in this test, as remote code
+    runs without dat_hf: every replaceable's kernels (`set_kernels_aside`) and the compiled relational backends (all
+    of `RELATIONAL_ATTENTION_FUNCTIONS` but the PyTorch ones), restored afterwards."""
+    from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
+
+    set_kernels_aside(monkeypatch)
+    for name in [name for name in RELATIONAL_ATTENTION_FUNCTIONS if name not in PYTORCH_RELATIONAL_BACKENDS]:
+        monkeypatch.delitem(RELATIONAL_ATTENTION_FUNCTIONS, name)
+
+
 def use_transformers_cache_layers(monkeypatch):
     """The caches `prepare_cache` fills keep Transformers' own behaviour in this test: `DynamicLayer`s, and sliding
     windows rolled oldest first (`DATStaticSlidingWindowLayer`), instead of DAT's in-place and ring layers."""

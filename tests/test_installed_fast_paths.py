@@ -6,12 +6,11 @@ do themselves)."""
 
 import pytest
 import torch
-from conftest import set_kernels_aside, tiny_config
+from conftest import set_fast_paths_aside, tiny_config
 
 import dat_hf.masking_dat as masking_dat
 from dat_hf import DATForCausalLM
 from dat_hf.masking_dat import build_masks
-from dat_hf.relational_attention import RELATIONAL_ATTENTION_FUNCTIONS
 
 CASES = {
     # a window over more receivers than a block: a `WindowMask` attended block by block, in training
@@ -47,9 +46,7 @@ def test_remote_code_alone_computes_what_the_fast_paths_compute(monkeypatch, cas
         assert next(iter(masks.values())).receiver_blocks is not None
     fast = run(model, ids, attention_mask)
     with monkeypatch.context() as remote:
-        set_kernels_aside(remote)  # every replaceable's kernels
-        for name in [name for name in RELATIONAL_ATTENTION_FUNCTIONS if name not in ("eager", "sdpa", "flex_attention")]:
-            remote.delitem(RELATIONAL_ATTENTION_FUNCTIONS, name)  # the compiled backends
+        set_fast_paths_aside(remote)  # every replaceable's kernels, the compiled relational backends
         masks = build_masks([model.config.relational_bias], model.config, torch.zeros(2, 40, 32), attention_mask)
         # (receiver blocks are the model files' own: remote code attends block by block too)
         assert (next(iter(masks.values())).receiver_blocks is not None) == (case != "causal")
