@@ -377,7 +377,9 @@ def plan_attention(model, masks: dict, *inputs, per_request: bool = False) -> At
     last = _LAST_PLANS.get(model)
     if last is not None and last.serves(masks, reads):
         return last.reused()
-    plan = _LAST_PLANS[model] = AttentionPlan.of_reads(masks, reads)
+    plan = AttentionPlan.of_reads(masks, reads)
+    if all(mask.implicit for mask in masks.values()):  # (only such a plan can serve a later forward: keep no tensors)
+        _LAST_PLANS[model] = plan
     return plan
 
 
